@@ -1,0 +1,140 @@
+/*
+ * The backend interface: the ops of the stock (op-by-op) forward pass, one
+ * function pointer each, so the CPU backend (the reference) and the CUDA
+ * backend fill in the same table and decode/forward.c runs unchanged on
+ * either. Every op computes exactly SPEC §2.3 / §3 with its rounding
+ * points; the comment on each says which values it rounds to bf16.
+ *
+ * Pointers passed to ops are backend memory (host memory for the CPU
+ * backend, device memory for CUDA). Activations are bf16 stored as
+ * uint16_t, row-major; "rows" is the step's row count T. Weight views
+ * (m3_tensor, m3_linear) come from the backend's m3_weights copy.
+ *
+ * Rows with a negative slot are padding: ops that write the cache skip
+ * them, and their outputs elsewhere are ignored by the caller.
+ */
+#ifndef M3_BACKEND_BACKEND_H
+#define M3_BACKEND_BACKEND_H
+
+#include <stdint.h>
+
+#include "core/tensor.h"
+#include "decode/step.h"
+#include "m3.h"
+#include "model/model.h"
+
+typedef struct m3_backend m3_backend;
+
+typedef struct m3_rope {
+    int rotary_dim; /* RoPE on dims [0, rotary_dim); pairs (i, i + rotary_dim/2) */
+    double theta;
+} m3_rope;
+
+typedef struct m3_select_params {
+    int topk;
+    int init_blocks;
+    int local_blocks;
+} m3_select_params;
+
+typedef struct m3_swiglu {
+    float alpha, limit;
+} m3_swiglu;
+
+/* What an MoE layer needs besides its weights. */
+typedef struct m3_moe_params {
+    int num_experts, top_k;
+    float routed_scaling;
+    m3_swiglu act;
+} m3_moe_params;
+
+typedef struct m3_backend_ops {
+    const char *name;
+    void (*destroy)(m3_backend *be);
+
+    /* ---- memory ---- */
+    m3_status (*alloc)(m3_backend *be, size_t bytes, void **ptr);
+    void (*release)(m3_backend *be, void *ptr);
+    m3_status (*upload)(m3_backend *be, void *dst, const void *src, size_t bytes);
+    m3_status (*download)(m3_backend *be, void *dst, const void *src, size_t bytes);
+    m3_status (*sync)(m3_backend *be);
+    /* The backend's copy of the weights (CPU: the host views themselves). */
+    m3_status (*load_weights)(m3_backend *be, const m3_config *cfg, const m3_weights *host,
+                              m3_weights *out);
+    void (*unload_weights)(m3_backend *be, const m3_config *cfg, m3_weights *w);
+
+    /* ---- ops ---- */
+
+    /* out[t] = table[tokens[t]]                       (bf16 rows, exact) */
+    m3_status (*embed)(m3_backend *be, int rows, const int32_t *tokens, const m3_tensor *table,
+                       uint16_t *out);
+
+    /* Copy rows idx[i] of src [*, dim] to dst [n, dim]. */
+    m3_status (*gather_rows)(m3_backend *be, int n, const int32_t *idx, int dim,
+                             const uint16_t *src, uint16_t *dst);
+
+    /* With add: residual = bf16(add + residual); without: residual as is.
+     * out = bf16(gemma_rmsnorm(residual) with w).     [rows, dim] */
+    m3_status (*add_rmsnorm)(m3_backend *be, int rows, int dim, const uint16_t *add,
+                             uint16_t *residual, const m3_tensor *w, float eps, uint16_t *out);
+
+    /* out[t, n] = sum_k x[t, k] w[n, k] in fp32; out is bf16 (rounded) or
+     * f32 (out_dtype). x [rows, K] dense; out [rows, N] dense. */
+    m3_status (*linear)(m3_backend *be, int rows, const uint16_t *x, const m3_linear *w,
+                        m3_dtype out_dtype, void *out);
+
+    /* Per head of x [rows, heads, dim] (row stride row_stride elements):
+     * gemma norm with the shared w [dim], then NeoX RoPE at positions[t] on
+     * the first rotary_dim dims; rounded to bf16 once. */
+    m3_status (*head_norm_rope)(m3_backend *be, int rows, int heads, int dim, uint16_t *x,
+                                int64_t row_stride, const m3_tensor *w, float eps,
+                                const int64_t *positions, const m3_rope *rope);
+
+    /* cache [pages, heads, 128, dim] at slots[t] <- src [rows, heads, dim]
+     * (row stride src_stride elements). Negative slots are skipped. */
+    m3_status (*cache_write)(m3_backend *be, int rows, const int64_t *slots, int heads, int dim,
+                             const uint16_t *src, int64_t src_stride, uint16_t *cache);
+
+    /* scores [rows, heads, step->max_blocks] fp32: per index head h and
+     * visible block b of the row's sequence, max over positions q < kv_len
+     * in b of dot(iq[t,h], icache[q]) * scale; -inf past the visible
+     * blocks. iq [rows, heads, dim]; icache [pages, 128, dim]. */
+    m3_status (*index_scores)(m3_backend *be, const m3_step *step, int heads, int dim,
+                              const uint16_t *iq, const uint16_t *icache, float scale,
+                              float *scores);
+
+    /* selected [rows, heads, topk] int32: SPEC §3 selection per (row,
+     * head), ascending block ids, padded with -1. */
+    m3_status (*select_blocks)(m3_backend *be, const m3_step *step, int heads,
+                               const float *scores, const m3_select_params *p,
+                               int32_t *selected);
+
+    /* out [rows, q_heads, dim] = softmax(q k^T * scale) v per query head
+     * over its KV group's keys: all positions < kv_len (selected == NULL) or
+     * those of the selected blocks [rows, kv_heads, topk]. Each head's
+     * output rounded to bf16. */
+    m3_status (*attention)(m3_backend *be, const m3_step *step, int q_heads, int kv_heads,
+                           int dim, const uint16_t *q, const uint16_t *kcache,
+                           const uint16_t *vcache, const int32_t *selected, int topk,
+                           float scale, uint16_t *out);
+
+    /* out = bf16(swiglu_oai(gate, up)) elementwise over n values. */
+    m3_status (*swiglu)(m3_backend *be, int64_t n, const uint16_t *gate, const uint16_t *up,
+                        const m3_swiglu *act, uint16_t *out);
+
+    /* MoE FFN of one layer: fp32 router (sigmoid, top-k by s + bias, ties to
+     * the lower id, weights s/sum s), the routed experts (gate/up/act/down
+     * each rounded), the shared expert, y = bf16(scaling * sum w_i e_i +
+     * shared) summed in fp32. x, out [rows, H]. */
+    m3_status (*moe)(m3_backend *be, int rows, const uint16_t *x, const m3_layer_weights *lw,
+                     const m3_moe_params *p, uint16_t *out);
+} m3_backend_ops;
+
+struct m3_backend {
+    const m3_backend_ops *ops;
+    void *impl;
+};
+
+/* The CPU backend with n_threads workers (0: all cores). */
+m3_status m3_cpu_backend_create(int n_threads, m3_backend **out);
+
+#endif

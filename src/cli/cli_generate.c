@@ -1,0 +1,247 @@
+/*
+ * `m3 generate`: load a checkpoint (or the built-in tiny model), prefill a
+ * prompt and decode. Until a tokenizer exists, --prompt maps each UTF-8 byte
+ * of the text to the token id of its value (0-255); --prompt-ids takes ids
+ * exactly as given. --dump-logits writes the logits each generated token
+ * was chosen from as a float32 .npy [N, vocab]; --json prints one object
+ * with the tokens and timings.
+ */
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "formats/npy.h"
+
+typedef struct gen_args {
+    const char *model, *prompt, *prompt_ids, *dump_logits, *device;
+    int64_t max_tokens, top_k, threads, max_rows, seed;
+    double temperature, top_p;
+    bool json, ignore_eos;
+} gen_args;
+
+static void gen_usage(FILE *f) {
+    fprintf(f,
+            "usage: m3 generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3)\n"
+            "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]\n"
+            "                   [--seed S] [--dump-logits FILE.npy] [--json] [--threads N]\n"
+            "                   [--device cpu] [--max-rows N] [--ignore-eos]\n"
+            "\n"
+            "  --model DIR        checkpoint folder (default: the built-in tiny model)\n"
+            "  --prompt TEXT      each UTF-8 byte becomes the token id of its value\n"
+            "  --prompt-ids LIST  comma-separated token ids, used exactly as given\n"
+            "  --max-tokens N     tokens to generate (default 32)\n"
+            "  --temperature T    0 (default) is greedy\n"
+            "  --top-p P, --top-k K, --seed S   sampling filters and seed\n"
+            "  --dump-logits F    write each generated token's logits, float32 [N, vocab]\n"
+            "  --json             print one JSON object: tokens and timings\n"
+            "  --threads N        CPU threads (default: all cores)\n"
+            "  --max-rows N       rows per step, the prefill chunk (default 256)\n"
+            "  --ignore-eos       do not stop at the end-of-sequence token\n");
+}
+
+static int parse_args(int argc, char **argv, gen_args *a) {
+    *a = (gen_args){.max_tokens = 32, .top_p = 1.0, .max_rows = 256, .device = "cpu"};
+    for (int i = 1; i < argc; i++) {
+        const char *f = argv[i], *v;
+        if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
+            gen_usage(stdout);
+            return -1;
+        }
+        if (!strcmp(f, "--json")) {
+            a->json = true;
+            continue;
+        }
+        if (!strcmp(f, "--ignore-eos")) {
+            a->ignore_eos = true;
+            continue;
+        }
+        if (!(v = cli_value(argc, argv, &i)))
+            return CLI_USAGE;
+        bool ok = true;
+        if (!strcmp(f, "--model"))
+            a->model = v;
+        else if (!strcmp(f, "--prompt"))
+            a->prompt = v;
+        else if (!strcmp(f, "--prompt-ids"))
+            a->prompt_ids = v;
+        else if (!strcmp(f, "--dump-logits"))
+            a->dump_logits = v;
+        else if (!strcmp(f, "--device"))
+            a->device = v;
+        else if (!strcmp(f, "--max-tokens"))
+            ok = cli_int(f, v, 0, 1 << 24, &a->max_tokens);
+        else if (!strcmp(f, "--top-k"))
+            ok = cli_int(f, v, 0, 1 << 24, &a->top_k);
+        else if (!strcmp(f, "--threads"))
+            ok = cli_int(f, v, 0, 1024, &a->threads);
+        else if (!strcmp(f, "--max-rows"))
+            ok = cli_int(f, v, 1, 65536, &a->max_rows);
+        else if (!strcmp(f, "--seed"))
+            ok = cli_int(f, v, 0, INT64_MAX, &a->seed);
+        else if (!strcmp(f, "--temperature"))
+            ok = cli_float(f, v, 0, 1e6, &a->temperature);
+        else if (!strcmp(f, "--top-p"))
+            ok = cli_float(f, v, 1e-9, 1, &a->top_p);
+        else {
+            fprintf(stderr, "m3 generate: unknown option '%s'\n", f);
+            gen_usage(stderr);
+            return CLI_USAGE;
+        }
+        if (!ok)
+            return CLI_USAGE;
+    }
+    if (!!a->prompt == !!a->prompt_ids) {
+        fprintf(stderr, "m3 generate: give exactly one of --prompt or --prompt-ids\n");
+        return CLI_USAGE;
+    }
+    if (strcmp(a->device, "cpu")) {
+        fprintf(stderr, "m3 generate: --device %s is not available in this build (cpu)\n",
+                a->device);
+        return CLI_USAGE;
+    }
+    return CLI_OK;
+}
+
+/* The prompt as token ids; *n = count. Returns a usage error code. */
+static int prompt_tokens(const gen_args *a, int32_t **out, int *n) {
+    *n = 0;
+    if (a->prompt) {
+        size_t len = strlen(a->prompt);
+        *out = malloc((len + 1) * sizeof **out);
+        for (size_t i = 0; *out && i < len; i++)
+            (*out)[(*n)++] = (uint8_t)a->prompt[i];
+        return *out ? CLI_OK : CLI_FAILED;
+    }
+    size_t cap = 1 + strlen(a->prompt_ids) / 2 + 1;
+    *out = malloc(cap * sizeof **out);
+    if (!*out)
+        return CLI_FAILED;
+    const char *p = a->prompt_ids;
+    while (*p) {
+        char *end;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || (*end && *end != ',') || v < 0 || v > INT32_MAX) {
+            fprintf(stderr, "m3 generate: --prompt-ids must be comma-separated non-negative "
+                            "integers; bad entry %d ('%.20s')\n",
+                    *n, p);
+            return CLI_USAGE;
+        }
+        (*out)[(*n)++] = (int32_t)v;
+        p = *end ? end + 1 : end;
+        if (*end == ',' && !*p) {
+            fprintf(stderr, "m3 generate: --prompt-ids ends with a comma\n");
+            return CLI_USAGE;
+        }
+    }
+    return CLI_OK;
+}
+
+typedef struct dump_ctx {
+    m3_npy_writer *npy;
+    m3_status failed;
+} dump_ctx;
+
+static int on_token(void *user, int32_t token, const float *logits, int vocab) {
+    dump_ctx *d = user;
+    if (d->npy && !d->failed)
+        d->failed = m3_npy_append_row(d->npy, logits);
+    return d->failed != M3_OK;
+}
+
+static void print_result(const gen_args *a, const m3_gen_result *r) {
+    int decode_steps = r->n_tokens > 1 ? r->n_tokens - 1 : 0;
+    double prefill_tps = r->prefill_seconds > 0 ? r->n_prompt / r->prefill_seconds : 0;
+    double decode_tps = r->decode_seconds > 0 ? decode_steps / r->decode_seconds : 0;
+    if (a->json) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddItemToObject(o, "tokens", cJSON_CreateIntArray(r->tokens, r->n_tokens));
+        cJSON_AddNumberToObject(o, "n_prompt", r->n_prompt);
+        cJSON_AddNumberToObject(o, "n_generated", r->n_tokens);
+        cJSON_AddBoolToObject(o, "stopped_at_eos", r->stopped_at_eos);
+        cJSON_AddNumberToObject(o, "prefill_seconds", r->prefill_seconds);
+        cJSON_AddNumberToObject(o, "decode_seconds", r->decode_seconds);
+        cJSON_AddNumberToObject(o, "prefill_tokens_per_s", prefill_tps);
+        cJSON_AddNumberToObject(o, "decode_tokens_per_s", decode_tps);
+        char *text = cJSON_PrintUnformatted(o);
+        if (text)
+            printf("%s\n", text);
+        free(text);
+        cJSON_Delete(o);
+        return;
+    }
+    printf("tokens:");
+    for (int i = 0; i < r->n_tokens; i++)
+        printf(" %d", r->tokens[i]);
+    printf("\n");
+    fprintf(stderr, "prefill: %d tokens in %.3f s (%.1f tokens/s)\n", r->n_prompt,
+            r->prefill_seconds, prefill_tps);
+    fprintf(stderr, "decode: %d tokens in %.3f s (%.1f tokens/s)%s\n", r->n_tokens,
+            r->decode_seconds, decode_tps, r->stopped_at_eos ? ", stopped at end-of-sequence" : "");
+}
+
+static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
+    char dir[4096];
+    m3_status st = M3_OK;
+    if (a->model)
+        snprintf(dir, sizeof dir, "%s", a->model);
+    else if ((st = cli_builtin_tiny(dir, sizeof dir)))
+        return cli_report("generate", st);
+    m3_model *model = NULL;
+    m3_engine *eng = NULL;
+    dump_ctx dump = {0};
+    m3_gen_result res = {0};
+    m3_model_opts mo = {true};
+    st = m3_model_load(dir, &mo, &model);
+    if (!st) {
+        m3_engine_opts eo = m3_engine_defaults();
+        eo.threads = (int)a->threads;
+        eo.max_rows = (int)a->max_rows;
+        eo.max_seqs = 1;
+        /* the cache holds this run, capped at the model's context (a longer
+         * prompt is then refused by m3_generate with the limit named) */
+        int64_t ctx = m3_model_config(model)->max_position_embeddings;
+        eo.max_tokens = n_prompt + a->max_tokens < ctx ? n_prompt + a->max_tokens : ctx;
+        st = m3_engine_create(model, &eo, &eng);
+    }
+    if (!st && a->dump_logits)
+        st = m3_npy_open(a->dump_logits, m3_model_config(model)->vocab_size, &dump.npy);
+    if (!st) {
+        m3_gen_opts go = m3_gen_defaults();
+        go.max_new_tokens = (int)a->max_tokens;
+        go.sampler = (m3_sampler){(float)a->temperature, (int)a->top_k, (float)a->top_p,
+                                  (uint64_t)a->seed};
+        go.stop_at_eos = !a->ignore_eos;
+        go.on_token = on_token;
+        go.user = &dump;
+        st = m3_generate(eng, prompt, n_prompt, &go, &res);
+        if (!st && dump.failed)
+            st = dump.failed;
+    }
+    if (dump.npy) {
+        m3_status closed = m3_npy_close(dump.npy);
+        if (!st)
+            st = closed;
+    }
+    if (!st)
+        print_result(a, &res);
+    free(res.tokens);
+    m3_engine_free(eng);
+    m3_model_free(model);
+    return st ? cli_report("generate", st) : CLI_OK;
+}
+
+int cmd_generate(int argc, char **argv) {
+    gen_args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc)
+        return rc < 0 ? CLI_OK : rc;
+    int32_t *prompt = NULL;
+    int n_prompt = 0;
+    rc = prompt_tokens(&a, &prompt, &n_prompt);
+    if (!rc)
+        rc = generate(&a, prompt, n_prompt);
+    free(prompt);
+    return rc;
+}

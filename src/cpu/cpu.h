@@ -1,0 +1,93 @@
+/*
+ * The CPU backend's internals: the backend state (a worker pool and
+ * per-thread scratch) and the row kernels the ops are built from. The
+ * kernels are exposed so that fused CPU executors (the mono path) compute
+ * with the very same code, and therefore the very same bits, as the stock
+ * ops. Every kernel accumulates in a fixed order, so results never depend
+ * on the thread count.
+ */
+#ifndef M3_CPU_CPU_H
+#define M3_CPU_CPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+#include "core/pool.h"
+
+typedef struct m3_cpu {
+    m3_pool *pool;
+    int n_threads;
+    /* per-thread float scratch, grown on demand before a parallel op */
+    float **thread_buf;
+    size_t thread_buf_floats;
+    /* op-level scratch, one buffer per user so nested ops never share */
+    void *scratch[4];
+    size_t scratch_bytes[4];
+} m3_cpu;
+
+enum m3_cpu_scratch_slot {
+    M3_SCRATCH_WIDEN = 0, /* linear: activations widened to fp32 */
+    M3_SCRATCH_MOE,       /* MoE: gathered rows and expert outputs */
+    M3_SCRATCH_ROUTER,    /* MoE: router logits and choices */
+    M3_SCRATCH_MISC,
+};
+
+/* Make every thread's scratch hold at least floats floats. */
+m3_status m3_cpu_thread_scratch(m3_cpu *cpu, size_t floats);
+/* Make scratch buffer `slot` hold at least bytes bytes; returns it. */
+m3_status m3_cpu_scratch(m3_cpu *cpu, int slot, size_t bytes, void **out);
+
+/* ---- row kernels ---- */
+
+/* sum_i a[i] b[i], accumulated in double and rounded to fp32 once. */
+float m3_dot_f32(const float *a, const float *b, int64_t n);
+/* bf16 -> fp32 for n values. */
+void m3_bf16_row_to_f32(const uint16_t *src, float *dst, int64_t n);
+/* Row n of a linear weight as fp32 (bf16 widened, or MXFP8 dequantised). */
+void m3_linear_row_f32(const m3_linear *w, int64_t n, float *dst);
+/* y[i] = (x[i] * r) * (1 + w[i]) with r = 1 / sqrt(ms + eps), ms the mean
+ * of squares accumulated in double and rounded once; fp32, not rounded to
+ * bf16. */
+void m3_gemma_norm_f32(const float *x, const uint16_t *w, int64_t dim, float eps, float *y);
+/* cos/sin of position * theta^(-2i/rotary_dim), i < rotary_dim/2: the
+ * angle in double, cos and sin rounded to fp32. */
+void m3_rope_table(int64_t position, const m3_rope *rope, float *cos_out, float *sin_out);
+/* NeoX rotation of x[0 .. rotary_dim) in place with a table from above. */
+void m3_rope_apply(float *x, int rotary_dim, const float *cos_t, const float *sin_t);
+/* g = min(gate, limit), u = clamp(up, -limit, limit),
+ * g * sigmoid(alpha g) * (u + 1), fp32. */
+float m3_swiglu_oai(float gate, float up, const m3_swiglu *act);
+/* Choose the step's top-k experts of one row from router logits [E]:
+ * ids by sigmoid(l) + bias (ties to the lower id), weights s / sum s. */
+void m3_route_row(const float *logits, const float *bias, int num_experts, int top_k,
+                  int32_t *ids, float *weights);
+/* SPEC §3 selection for one (row, head): scores [nblocks]; out [topk]
+ * ascending, padded with -1. cand is scratch of nblocks entries. */
+void m3_select_row(const float *scores, int nblocks, const m3_select_params *p, int32_t *out,
+                   int32_t *cand);
+
+/* ---- ops (the backend table's entries, callable directly) ---- */
+m3_status m3_cpu_linear(m3_backend *be, int rows, const uint16_t *x, const m3_linear *w,
+                        m3_dtype out_dtype, void *out);
+m3_status m3_cpu_linear_f32w(m3_cpu *cpu, int rows, const uint16_t *x, const m3_tensor *w,
+                             float *out);
+m3_status m3_cpu_swiglu(m3_backend *be, int64_t n, const uint16_t *gate, const uint16_t *up,
+                        const m3_swiglu *act, uint16_t *out);
+m3_status m3_cpu_index_scores(m3_backend *be, const m3_step *step, int heads, int dim,
+                              const uint16_t *iq, const uint16_t *icache, float scale,
+                              float *scores);
+m3_status m3_cpu_select_blocks(m3_backend *be, const m3_step *step, int heads,
+                               const float *scores, const m3_select_params *p, int32_t *selected);
+m3_status m3_cpu_attention(m3_backend *be, const m3_step *step, int q_heads, int kv_heads,
+                           int dim, const uint16_t *q, const uint16_t *kcache,
+                           const uint16_t *vcache, const int32_t *selected, int topk, float scale,
+                           uint16_t *out);
+m3_status m3_cpu_cache_write(m3_backend *be, int rows, const int64_t *slots, int heads, int dim,
+                             const uint16_t *src, int64_t src_stride, uint16_t *cache);
+m3_status m3_cpu_moe(m3_backend *be, int rows, const uint16_t *x, const m3_layer_weights *lw,
+                     const m3_moe_params *p, uint16_t *out);
+
+static inline m3_cpu *m3_cpu_of(m3_backend *be) { return (m3_cpu *)be->impl; }
+
+#endif

@@ -1,0 +1,142 @@
+/*
+ * The MoE FFN on the CPU (SPEC §2.3 step 7): the fp32 router, then each
+ * expert that at least one row routed to runs once over its gathered rows
+ * (so only routed experts' weights are read), then the shared expert, then
+ * one fp32 sum per row in routing-rank order, rounded once.
+ */
+#include <string.h>
+
+#include "core/bf16.h"
+#include "core/status.h"
+#include "cpu/cpu.h"
+
+typedef struct moe_buffers {
+    float *logits;      /* [rows, E] */
+    int32_t *ids;       /* [rows, k] */
+    float *weights;     /* [rows, k] */
+    int32_t *members;   /* [rows * k]: row * k + slot, grouped by expert */
+    int32_t *first;     /* [E + 1]: each expert's range in members */
+    uint16_t *xe;       /* [rows, H]: gathered rows */
+    uint16_t *gate, *up, *act; /* [rows, max(I, Is)] */
+    uint16_t *down;     /* [rows, H] */
+    uint16_t *eout;     /* [rows * k, H]: each (row, slot)'s expert output */
+    uint16_t *shared;   /* [rows, H] */
+} moe_buffers;
+
+static m3_status carve(m3_cpu *cpu, int rows, int E, int k, int64_t H, int64_t width,
+                       moe_buffers *b) {
+    size_t sizes[11] = {
+        (size_t)rows * E * 4, (size_t)rows * k * 4, (size_t)rows * k * 4, (size_t)rows * k * 4,
+        (size_t)(E + 1) * 4,  (size_t)rows * H * 2, (size_t)rows * width * 2 * 3,
+        (size_t)rows * H * 2, (size_t)rows * k * H * 2, (size_t)rows * H * 2, 0};
+    size_t total = 0;
+    for (int i = 0; i < 10; i++)
+        total += (sizes[i] + 63) / 64 * 64;
+    char *base;
+    M3_TRY(m3_cpu_scratch(cpu, M3_SCRATCH_MOE, total, (void **)&base));
+    void *parts[10];
+    for (int i = 0; i < 10; i++) {
+        parts[i] = base;
+        base += (sizes[i] + 63) / 64 * 64;
+    }
+    b->logits = parts[0];
+    b->ids = parts[1];
+    b->weights = parts[2];
+    b->members = parts[3];
+    b->first = parts[4];
+    b->xe = parts[5];
+    b->gate = parts[6];
+    b->up = b->gate + (size_t)rows * width;
+    b->act = b->up + (size_t)rows * width;
+    b->down = parts[7];
+    b->eout = parts[8];
+    b->shared = parts[9];
+    return M3_OK;
+}
+
+/* gate/up projections, the activation and the down projection of one
+ * expert (or the shared expert, or a dense MLP) over n gathered rows. */
+static m3_status run_ffn(m3_backend *be, int n, const uint16_t *x, const m3_linear *gate,
+                         const m3_linear *up, const m3_linear *down, const m3_swiglu *act,
+                         moe_buffers *b, uint16_t *out) {
+    int64_t width = gate->w.ne[0];
+    M3_TRY(m3_cpu_linear(be, n, x, gate, M3_DT_BF16, b->gate));
+    M3_TRY(m3_cpu_linear(be, n, x, up, M3_DT_BF16, b->up));
+    M3_TRY(m3_cpu_swiglu(be, (int64_t)n * width, b->gate, b->up, act, b->act));
+    return m3_cpu_linear(be, n, b->act, down, M3_DT_BF16, out);
+}
+
+/* Group (row, slot) pairs by expert: counting sort, stable in row order. */
+static void group_by_expert(int rows, int E, int k, moe_buffers *b) {
+    memset(b->first, 0, (size_t)(E + 1) * sizeof *b->first);
+    for (int i = 0; i < rows * k; i++)
+        b->first[b->ids[i] + 1]++;
+    for (int e = 0; e < E; e++)
+        b->first[e + 1] += b->first[e];
+    int32_t fill[4096];
+    memcpy(fill, b->first, (size_t)E * sizeof *fill);
+    for (int i = 0; i < rows * k; i++)
+        b->members[fill[b->ids[i]]++] = i;
+}
+
+typedef struct combine_job {
+    const moe_buffers *b;
+    int k;
+    int64_t H;
+    float scaling;
+    bool has_shared;
+    uint16_t *out;
+} combine_job;
+
+static void combine_rows(void *ctx, int64_t begin, int64_t end, int thread) {
+    const combine_job *j = ctx;
+    for (int64_t t = begin; t < end; t++) {
+        for (int64_t h = 0; h < j->H; h++) {
+            float acc = 0;
+            for (int s = 0; s < j->k; s++)
+                acc += j->b->weights[t * j->k + s] *
+                       m3_bf16_to_f32(j->b->eout[(t * j->k + s) * j->H + h]);
+            float y = j->scaling * acc;
+            if (j->has_shared)
+                y += m3_bf16_to_f32(j->b->shared[t * j->H + h]);
+            j->out[t * j->H + h] = m3_f32_to_bf16(y);
+        }
+    }
+}
+
+m3_status m3_cpu_moe(m3_backend *be, int rows, const uint16_t *x, const m3_layer_weights *lw,
+                     const m3_moe_params *p, uint16_t *out) {
+    m3_cpu *cpu = m3_cpu_of(be);
+    int E = p->num_experts, k = p->top_k;
+    int64_t H = lw->router.ne[1];
+    int64_t I = lw->exp_gate[0].w.ne[0], Is = lw->sh_gate.w.data ? lw->sh_gate.w.ne[0] : 0;
+    if (E > 4096 || k > 64)
+        return m3_fail(M3_ERR_INTERNAL, "moe: %d experts / top %d beyond the CPU limits", E, k);
+    moe_buffers b;
+    M3_TRY(carve(cpu, rows, E, k, H, I > Is ? I : Is, &b));
+
+    M3_TRY(m3_cpu_linear_f32w(cpu, rows, x, &lw->router, b.logits));
+    const float *bias = lw->router_bias.data ? (const float *)lw->router_bias.data : NULL;
+    for (int t = 0; t < rows; t++)
+        m3_route_row(b.logits + (int64_t)t * E, bias, E, k, b.ids + t * k, b.weights + t * k);
+
+    group_by_expert(rows, E, k, &b);
+    for (int e = 0; e < E; e++) {
+        int n = b.first[e + 1] - b.first[e];
+        if (!n)
+            continue; /* never routed to: its weights are not read */
+        const int32_t *mem = b.members + b.first[e];
+        for (int i = 0; i < n; i++)
+            memcpy(b.xe + (int64_t)i * H, x + (int64_t)(mem[i] / k) * H, (size_t)H * 2);
+        M3_TRY(run_ffn(be, n, b.xe, &lw->exp_gate[e], &lw->exp_up[e], &lw->exp_down[e], &p->act,
+                       &b, b.down));
+        for (int i = 0; i < n; i++)
+            memcpy(b.eout + (int64_t)mem[i] * H, b.down + (int64_t)i * H, (size_t)H * 2);
+    }
+    if (Is)
+        M3_TRY(run_ffn(be, rows, x, &lw->sh_gate, &lw->sh_up, &lw->sh_down, &p->act, &b,
+                       b.shared));
+    combine_job cj = {&b, k, H, p->routed_scaling, Is > 0, out};
+    m3_pool_for(cpu->pool, rows, 1, combine_rows, &cj);
+    return M3_OK;
+}

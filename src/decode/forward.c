@@ -1,0 +1,125 @@
+/*
+ * One forward step, stock path: embed, the layer loop, the final norm and
+ * the logits. Each stock layer is SPEC §2.3 written as a sequence of
+ * backend ops; read it top to bottom as the model's math. A fused executor
+ * (the mono path, SPEC §5) may take a contiguous range of layers for a
+ * step; the tensors at its boundaries (hidden, residual, caches) are the
+ * same ones the stock layers use, so the paths interleave freely.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "core/status.h"
+#include "decode/engine.h"
+
+/* The stock path of one layer: hidden/residual in, hidden/residual out. */
+static m3_status stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) {
+    const m3_config *c = &eng->cfg;
+    const m3_backend_ops *op = eng->be->ops;
+    m3_backend *be = eng->be;
+    const m3_layer_weights *lw = &eng->w.layers[li];
+    const m3_cache_layer *cl = &eng->cache.layers[li];
+    m3_scratch *s = &eng->s;
+    int T = st->rows, H = c->hidden_size, D = c->head_dim, Di = c->index_dim;
+    int Nq = c->num_q_heads, Nkv = c->num_kv_heads, Ni = c->index_heads;
+    m3_rope rope = {c->rotary_dim, c->rope_theta};
+
+    /* 1. residual = hidden + residual (layer 0: the embedding), x = norm */
+    M3_TRY(op->add_rmsnorm(be, T, H, first ? NULL : s->hidden, s->residual, &lw->input_norm,
+                           c->rms_norm_eps, s->x));
+    /* 2-3. q, k, v; per-head norm + RoPE (one rounding) */
+    M3_TRY(op->linear(be, T, s->x, &lw->q_proj, M3_DT_BF16, s->q));
+    M3_TRY(op->linear(be, T, s->x, &lw->k_proj, M3_DT_BF16, s->k));
+    M3_TRY(op->linear(be, T, s->x, &lw->v_proj, M3_DT_BF16, s->v));
+    M3_TRY(op->head_norm_rope(be, T, Nq, D, s->q, (int64_t)Nq * D, &lw->q_norm, c->rms_norm_eps,
+                              st->dev.positions, &rope));
+    M3_TRY(op->head_norm_rope(be, T, Nkv, D, s->k, (int64_t)Nkv * D, &lw->k_norm,
+                              c->rms_norm_eps, st->dev.positions, &rope));
+    /* 4. the cache before attention, so a row sees itself */
+    M3_TRY(op->cache_write(be, T, st->dev.slots, Nkv, D, s->k, (int64_t)Nkv * D, cl->k));
+    M3_TRY(op->cache_write(be, T, st->dev.slots, Nkv, D, s->v, (int64_t)Nkv * D, cl->v));
+
+    const int32_t *selected = NULL;
+    if (lw->sparse) {
+        /* SPEC §3: index queries/key, block scores, per-head selection */
+        M3_TRY(op->linear(be, T, s->x, &lw->iq_proj, M3_DT_BF16, s->iq));
+        M3_TRY(op->linear(be, T, s->x, &lw->ik_proj, M3_DT_BF16, s->ik));
+        M3_TRY(op->head_norm_rope(be, T, Ni, Di, s->iq, (int64_t)Ni * Di, &lw->iq_norm,
+                                  c->rms_norm_eps, st->dev.positions, &rope));
+        M3_TRY(op->head_norm_rope(be, T, 1, Di, s->ik, Di, &lw->ik_norm, c->rms_norm_eps,
+                                  st->dev.positions, &rope));
+        M3_TRY(op->cache_write(be, T, st->dev.slots, 1, Di, s->ik, Di, cl->index));
+        float scale = (float)(1.0 / sqrt((double)Di) * 1.4426950408889634);
+        M3_TRY(op->index_scores(be, st, Ni, Di, s->iq, cl->index, scale, s->scores));
+        m3_select_params sp = {c->topk_blocks, c->init_blocks, c->local_blocks};
+        M3_TRY(op->select_blocks(be, st, Ni, s->scores, &sp, s->selected));
+        selected = s->selected;
+    }
+    /* 5. attention (dense, or over the selected blocks) */
+    M3_TRY(op->attention(be, st, Nq, Nkv, D, s->q, cl->k, cl->v, selected, c->topk_blocks,
+                         (float)(1.0 / sqrt((double)D)), s->attn));
+    /* 6. o_proj, residual, post-attention norm */
+    M3_TRY(op->linear(be, T, s->attn, &lw->o_proj, M3_DT_BF16, s->o));
+    M3_TRY(op->add_rmsnorm(be, T, H, s->o, s->residual, &lw->post_norm, c->rms_norm_eps, s->x));
+    /* 7. FFN: MoE or the dense SwiGLU-OAI MLP */
+    m3_swiglu act = {c->swiglu_alpha, c->swiglu_limit};
+    if (lw->moe) {
+        m3_moe_params mp = {c->num_experts, c->experts_per_tok, c->routed_scaling_factor, act};
+        return op->moe(be, T, s->x, lw, &mp, s->hidden);
+    }
+    M3_TRY(op->linear(be, T, s->x, &lw->mlp_gate, M3_DT_BF16, s->gate));
+    M3_TRY(op->linear(be, T, s->x, &lw->mlp_up, M3_DT_BF16, s->up));
+    M3_TRY(op->swiglu(be, (int64_t)T * c->dense_dim, s->gate, s->up, &act, s->act));
+    return op->linear(be, T, s->act, &lw->mlp_down, M3_DT_BF16, s->hidden);
+}
+
+/* final = norm(hidden + residual) of the wanted rows; logits = final lm_head^T */
+static m3_status final_logits(m3_engine *eng, int n_out, const int32_t *out_rows,
+                              float *logits) {
+    const m3_config *c = &eng->cfg;
+    const m3_backend_ops *op = eng->be->ops;
+    m3_backend *be = eng->be;
+    m3_scratch *s = &eng->s;
+    int H = c->hidden_size;
+    M3_TRY(op->upload(be, s->out_rows, out_rows, (size_t)n_out * sizeof *out_rows));
+    M3_TRY(op->gather_rows(be, n_out, s->out_rows, H, s->hidden, s->out_hidden));
+    M3_TRY(op->gather_rows(be, n_out, s->out_rows, H, s->residual, s->out_residual));
+    M3_TRY(op->add_rmsnorm(be, n_out, H, s->out_hidden, s->out_residual, &eng->w.norm,
+                           c->rms_norm_eps, s->final));
+    m3_linear head = {eng->w.lm_head, {0}};
+    M3_TRY(op->linear(be, n_out, s->final, &head, M3_DT_F32, s->logits));
+    return op->download(be, logits, s->logits, (size_t)n_out * c->vocab_size * sizeof *logits);
+}
+
+m3_status m3_forward(m3_engine *eng, const m3_step *st, int n_out, const int32_t *out_rows,
+                     float *logits) {
+    const m3_config *c = &eng->cfg;
+    m3_backend *be = eng->be;
+    M3_TRY(be->ops->embed(be, st->rows, st->dev.tokens, &eng->w.embed, eng->s.residual));
+    m3_layer_range_executor *ex = eng->executor;
+    bool fused = ex && ex->plan(ex->self, st);
+    m3_status failure = M3_OK;
+    for (int li = 0; li < c->num_layers && !failure; li++) {
+        if (fused && li == ex->first_layer) {
+            failure = ex->run(ex->self, st, eng->s.hidden, eng->s.residual);
+            li = ex->last_layer;
+            continue;
+        }
+        failure = stock_layer(eng, st, li, li == 0);
+        if (failure)
+            m3_fail_context(failure, "layer %d", li);
+        else if (eng->layer_hook)
+            eng->layer_hook(eng->layer_hook_user, li, st, eng->s.hidden, eng->s.residual);
+    }
+    if (fused)
+        eng->mono_steps++;
+    else
+        eng->stock_steps++;
+    if (ex) {
+        m3_status after = ex->after_step(ex->self, failure);
+        if (!failure)
+            failure = after;
+    }
+    M3_TRY(failure);
+    return final_logits(eng, n_out, out_rows, logits);
+}

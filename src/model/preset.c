@@ -1,0 +1,210 @@
+/*
+ * Named model shapes and the config.json writer. `tiny` keeps the M3
+ * geometry that the kernels care about (head_dim 128, rotary 64, index dim
+ * 128, 128-token blocks) at small widths so the CPU reference runs it fast;
+ * `m3` is the released configuration; `m3-tp4-rank` is a TP1 model with
+ * the shapes one rank of a 4-way tensor-parallel M3 deployment holds, for
+ * single-GPU benchmarks. m3_config_to_json writes the released (nested)
+ * layout, so synthesized checkpoints look like the real one.
+ */
+#include <cjson/cJSON.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/status.h"
+#include "model/config_json.h"
+
+int m3_config_count_sparse(const m3_config *c) {
+    int n = 0;
+    for (int i = 0; i < c->num_layers; i++)
+        n += c->layer_sparse[i];
+    return n;
+}
+
+int m3_config_count_moe(const m3_config *c) {
+    int n = 0;
+    for (int i = 0; i < c->num_layers; i++)
+        n += c->layer_moe[i];
+    return n;
+}
+
+/* The released MiniMax-M3 text config. */
+static void preset_m3(m3_config *c) {
+    memset(c, 0, sizeof *c);
+    c->hidden_size = 6144;
+    c->num_layers = 60;
+    c->num_q_heads = 64;
+    c->num_kv_heads = 4;
+    c->head_dim = 128;
+    c->rotary_dim = 64;
+    c->rope_theta = 5000000.0;
+    c->vocab_size = 200064;
+    c->expert_dim = 3072;
+    c->dense_dim = 12288;
+    c->shared_dim = 3072;
+    c->num_experts = 128;
+    c->experts_per_tok = 4;
+    c->use_routing_bias = true;
+    c->routed_scaling_factor = 2.0f;
+    c->swiglu_alpha = 1.702f;
+    c->swiglu_limit = 7.0f;
+    c->rms_norm_eps = 1e-6f;
+    c->tie_word_embeddings = false;
+    c->max_position_embeddings = 1 << 20;
+    c->index_heads = 4;
+    c->index_dim = 128;
+    c->block_size = 128;
+    c->topk_blocks = 16;
+    c->init_blocks = 0;
+    c->local_blocks = 1;
+    for (int i = 0; i < c->num_layers; i++)
+        c->layer_sparse[i] = c->layer_moe[i] = i >= 3;
+    c->num_eos = 1;
+    c->eos_ids[0] = 200020;
+}
+
+m3_status m3_preset(const char *name, m3_config *out) {
+    m3_config c;
+    preset_m3(&c);
+    if (!strcmp(name, "m3")) {
+        *out = c;
+        return M3_OK;
+    }
+    if (!strcmp(name, "m3-tp4-rank")) {
+        /* one rank of TP4: 64/4 query heads, 4/4 KV and index heads, experts
+         * and MLPs split four ways on their intermediate dimension */
+        c.num_q_heads = 16;
+        c.num_kv_heads = 1;
+        c.index_heads = 1;
+        c.expert_dim = 768;
+        c.shared_dim = 768;
+        c.dense_dim = 3072;
+        *out = c;
+        return M3_OK;
+    }
+    if (!strcmp(name, "tiny")) {
+        /* small widths, M3 geometry; one dense layer then two sparse+MoE
+         * layers; top-3 of 128-token blocks with one init and one local
+         * block, so the index scores choose among blocks past 384 tokens */
+        c.hidden_size = 256;
+        c.num_layers = 3;
+        c.num_q_heads = 4;
+        c.num_kv_heads = 2;
+        c.vocab_size = 512;
+        c.expert_dim = 128;
+        c.dense_dim = 512;
+        c.shared_dim = 128;
+        c.num_experts = 8;
+        c.experts_per_tok = 2;
+        c.index_heads = 2;
+        c.topk_blocks = 3;
+        c.init_blocks = 1;
+        c.local_blocks = 1;
+        c.max_position_embeddings = 1 << 16;
+        memset(c.layer_sparse, 0, sizeof c.layer_sparse);
+        memset(c.layer_moe, 0, sizeof c.layer_moe);
+        for (int i = 1; i < c.num_layers; i++)
+            c.layer_sparse[i] = c.layer_moe[i] = true;
+        c.eos_ids[0] = 511;
+        *out = c;
+        return M3_OK;
+    }
+    return m3_fail(M3_ERR_INVALID_ARG, "unknown preset '%s' (known: tiny, m3, m3-tp4-rank)",
+                   name);
+}
+
+m3_status m3_config_cut_layers(m3_config *c, int n) {
+    if (n < 1 || n > c->num_layers)
+        return m3_fail(M3_ERR_INVALID_ARG, "layers = %d: must be in [1, %d]", n, c->num_layers);
+    c->num_layers = n;
+    for (int i = n; i < M3_MAX_LAYERS; i++)
+        c->layer_sparse[i] = c->layer_moe[i] = false;
+    if (!m3_config_count_sparse(c))
+        c->index_heads = c->index_dim = c->topk_blocks = c->init_blocks = c->local_blocks = 0;
+    return M3_OK;
+}
+
+static cJSON *layer_list(const bool *flags, int n) {
+    cJSON *a = cJSON_CreateArray();
+    for (int i = 0; a && i < n; i++)
+        cJSON_AddItemToArray(a, cJSON_CreateNumber(flags[i] ? 1 : 0));
+    return a;
+}
+
+static cJSON *text_config_json(const m3_config *c) {
+    cJSON *t = cJSON_CreateObject();
+    cJSON_AddStringToObject(t, "model_type", "minimax_m3");
+    cJSON_AddNumberToObject(t, "hidden_size", c->hidden_size);
+    cJSON_AddNumberToObject(t, "num_hidden_layers", c->num_layers);
+    cJSON_AddNumberToObject(t, "num_attention_heads", c->num_q_heads);
+    cJSON_AddNumberToObject(t, "num_key_value_heads", c->num_kv_heads);
+    cJSON_AddNumberToObject(t, "head_dim", c->head_dim);
+    cJSON_AddNumberToObject(t, "rotary_dim", c->rotary_dim);
+    cJSON_AddNumberToObject(t, "partial_rotary_factor", (double)c->rotary_dim / c->head_dim);
+    cJSON_AddNumberToObject(t, "rope_theta", c->rope_theta);
+    cJSON_AddNumberToObject(t, "vocab_size", c->vocab_size);
+    cJSON_AddNumberToObject(t, "intermediate_size", c->expert_dim);
+    cJSON_AddNumberToObject(t, "dense_intermediate_size", c->dense_dim);
+    cJSON_AddNumberToObject(t, "shared_intermediate_size", c->shared_dim);
+    cJSON_AddNumberToObject(t, "n_shared_experts", c->shared_dim ? 1 : 0);
+    cJSON_AddNumberToObject(t, "num_local_experts", c->num_experts);
+    cJSON_AddNumberToObject(t, "num_experts_per_tok", c->experts_per_tok);
+    cJSON_AddItemToObject(t, "moe_layer_freq", layer_list(c->layer_moe, c->num_layers));
+    cJSON_AddStringToObject(t, "scoring_func", "sigmoid");
+    cJSON_AddBoolToObject(t, "use_routing_bias", c->use_routing_bias);
+    cJSON_AddNumberToObject(t, "routed_scaling_factor", c->routed_scaling_factor);
+    cJSON_AddStringToObject(t, "hidden_act", "swigluoai");
+    cJSON_AddNumberToObject(t, "swiglu_alpha", c->swiglu_alpha);
+    cJSON_AddNumberToObject(t, "swiglu_limit", c->swiglu_limit);
+    cJSON_AddNumberToObject(t, "rms_norm_eps", c->rms_norm_eps);
+    cJSON_AddBoolToObject(t, "use_gemma_norm", true);
+    cJSON_AddStringToObject(t, "qk_norm_type", "per_head");
+    cJSON_AddBoolToObject(t, "tie_word_embeddings", c->tie_word_embeddings);
+    cJSON_AddNumberToObject(t, "max_position_embeddings", (double)c->max_position_embeddings);
+    if (c->num_eos == 1)
+        cJSON_AddNumberToObject(t, "eos_token_id", c->eos_ids[0]);
+    else if (c->num_eos > 1)
+        cJSON_AddItemToObject(t, "eos_token_id", cJSON_CreateIntArray(c->eos_ids, c->num_eos));
+
+    cJSON *s = cJSON_CreateObject();
+    bool any_sparse = m3_config_count_sparse(c) > 0;
+    cJSON_AddBoolToObject(s, "use_sparse_attention", any_sparse);
+    cJSON_AddItemToObject(s, "sparse_attention_freq", layer_list(c->layer_sparse, c->num_layers));
+    cJSON_AddItemToObject(s, "sparse_disable_index_value",
+                          layer_list(c->layer_sparse, c->num_layers));
+    cJSON_AddNumberToObject(s, "sparse_block_size", c->block_size ? c->block_size : 128);
+    if (any_sparse) {
+        cJSON_AddNumberToObject(s, "sparse_num_index_heads", c->index_heads);
+        cJSON_AddNumberToObject(s, "sparse_index_dim", c->index_dim);
+        cJSON_AddNumberToObject(s, "sparse_topk_blocks", c->topk_blocks);
+        cJSON_AddNumberToObject(s, "sparse_init_block", c->init_blocks);
+        cJSON_AddNumberToObject(s, "sparse_local_block", c->local_blocks);
+        cJSON_AddStringToObject(s, "sparse_score_type", "max");
+    }
+    cJSON_AddItemToObject(t, "sparse_attention_config", s);
+    return t;
+}
+
+m3_status m3_config_to_json(const m3_config *c, char **out) {
+    *out = NULL;
+    cJSON *root = cJSON_CreateObject();
+    cJSON *arch = cJSON_CreateArray();
+    cJSON_AddItemToArray(arch, cJSON_CreateString("MiniMaxM3SparseForConditionalGeneration"));
+    cJSON_AddItemToObject(root, "architectures", arch);
+    cJSON_AddStringToObject(root, "model_type", "minimax_m3_vl");
+    cJSON_AddItemToObject(root, "text_config", text_config_json(c));
+    if (c->mxfp8) {
+        cJSON *q = cJSON_CreateObject();
+        cJSON_AddStringToObject(q, "quant_method", "mxfp8");
+        cJSON_AddStringToObject(q, "activation_scheme", "dynamic");
+        int bs[2] = {1, 32};
+        cJSON_AddItemToObject(q, "weight_block_size", cJSON_CreateIntArray(bs, 2));
+        cJSON_AddItemToObject(root, "quantization_config", q);
+    }
+    char *text = cJSON_Print(root);
+    cJSON_Delete(root);
+    if (!text)
+        return m3_fail(M3_ERR_NO_MEMORY, "out of memory rendering config.json");
+    *out = text;
+    return M3_OK;
+}
