@@ -11,6 +11,9 @@
 m3_status m3_cache_init(m3_cache *c, int num_layers, int32_t n_pages, int64_t max_context,
                         int max_seqs) {
     memset(c, 0, sizeof *c);
+    if (num_layers < 1 || num_layers > M3_MAX_LAYERS)
+        return m3_fail(M3_ERR_INVALID_ARG, "cache layers = %d: must be in [1, %d]", num_layers,
+                       M3_MAX_LAYERS);
     if (n_pages < 1)
         return m3_fail(M3_ERR_INVALID_ARG, "cache pages = %d: need at least 1", (int)n_pages);
     if (max_seqs < 1 || max_seqs > 1 << 20)
@@ -82,6 +85,9 @@ m3_status m3_cache_seq_free(m3_cache *c, int seq) {
 m3_status m3_cache_reserve(m3_cache *c, int seq, int64_t new_len) {
     M3_TRY(m3_cache_seq_check(c, seq));
     m3_seq_state *s = &c->seqs[seq];
+    if (new_len < 0)
+        return m3_fail(M3_ERR_INVALID_ARG, "sequence %d: length %lld is negative", seq,
+                       (long long)new_len);
     if (new_len > c->max_context)
         return m3_fail(M3_ERR_INVALID_ARG,
                        "sequence %d would hold %lld tokens; the context limit is %lld", seq,

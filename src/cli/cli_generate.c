@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "core/status.h"
 #include "formats/npy.h"
 
 typedef struct gen_args {
@@ -112,6 +113,10 @@ static int prompt_tokens(const gen_args *a, int32_t **out, int *n) {
         *out = malloc((len + 1) * sizeof **out);
         for (size_t i = 0; *out && i < len; i++)
             (*out)[(*n)++] = (uint8_t)a->prompt[i];
+        if (*out && !len) {
+            fprintf(stderr, "m3 generate: the prompt is empty (--prompt): at least one token is needed\n");
+            return CLI_USAGE;
+        }
         return *out ? CLI_OK : CLI_FAILED;
     }
     size_t cap = 1 + strlen(a->prompt_ids) / 2 + 1;
@@ -134,6 +139,10 @@ static int prompt_tokens(const gen_args *a, int32_t **out, int *n) {
             fprintf(stderr, "m3 generate: --prompt-ids ends with a comma\n");
             return CLI_USAGE;
         }
+    }
+    if (!*n) {
+        fprintf(stderr, "m3 generate: the prompt is empty (--prompt-ids): at least one token is needed\n");
+        return CLI_USAGE;
     }
     return CLI_OK;
 }
@@ -224,8 +233,12 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
         if (!st)
             st = closed;
     }
-    if (!st)
+    if (!st) {
         print_result(a, &res);
+        /* tokens that never reach the reader are a failure, not a success */
+        if (fflush(stdout) != 0 || ferror(stdout))
+            st = m3_fail(M3_ERR_IO, "writing the result to standard output failed");
+    }
     free(res.tokens);
     m3_engine_free(eng);
     m3_model_free(model);

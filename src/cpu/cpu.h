@@ -55,6 +55,12 @@ void m3_gemma_norm_f32(const float *x, const uint16_t *w, int64_t dim, float eps
 void m3_rope_table(int64_t position, const m3_rope *rope, float *cos_out, float *sin_out);
 /* NeoX rotation of x[0 .. rotary_dim) in place with a table from above. */
 void m3_rope_apply(float *x, int rotary_dim, const float *cos_t, const float *sin_t);
+/* exp of an fp32 value, correctly rounded: computed in double, rounded
+ * once (libm's expf is off by one ulp on a fraction of inputs, enough to
+ * flip bf16 roundings against another implementation). */
+float m3_exp_f32(float x);
+/* 1 / (1 + exp(-x)) with m3_exp_f32, in fp32. */
+float m3_sigmoid_f32(float x);
 /* g = min(gate, limit), u = clamp(up, -limit, limit),
  * g * sigmoid(alpha g) * (u + 1), fp32. */
 float m3_swiglu_oai(float gate, float up, const m3_swiglu *act);

@@ -164,7 +164,7 @@ static void attend(const attn_job *j, const float *q, int g, const int32_t *tabl
     }
     double sum_d = 0;
     for (int64_t i = 0; i < n; i++) {
-        s[i] = expf(s[i] - m);
+        s[i] = m3_exp_f32(s[i] - m);
         sum_d += s[i];
     }
     float sum = (float)sum_d;

@@ -83,11 +83,16 @@ void m3_rope_apply(float *x, int rotary_dim, const float *cos_t, const float *si
     }
 }
 
+float m3_exp_f32(float x) { return (float)exp((double)x); }
+
+float m3_sigmoid_f32(float x) { return 1.0f / (1.0f + m3_exp_f32(-x)); }
+
 float m3_swiglu_oai(float gate, float up, const m3_swiglu *act) {
-    float g = fminf(gate, act->limit);
-    float u = fminf(fmaxf(up, -act->limit), act->limit);
-    float sig = 1.0f / (1.0f + expf(-act->alpha * g));
-    return g * sig * (u + 1.0f);
+    /* fminf/fmaxf would turn a NaN input into a number; these comparisons
+     * keep it NaN */
+    float g = gate > act->limit ? act->limit : gate;
+    float u = up > act->limit ? act->limit : up < -act->limit ? -act->limit : up;
+    return g * m3_sigmoid_f32(act->alpha * g) * (u + 1.0f);
 }
 
 void m3_route_row(const float *logits, const float *bias, int num_experts, int top_k,
@@ -97,7 +102,7 @@ void m3_route_row(const float *logits, const float *bias, int num_experts, int t
     float keys[64];
     int n = 0;
     for (int e = 0; e < num_experts; e++) {
-        float s = 1.0f / (1.0f + expf(-logits[e]));
+        float s = m3_sigmoid_f32(logits[e]);
         float key = s + (bias ? bias[e] : 0.0f);
         if (isnan(key))
             key = -INFINITY;
@@ -114,7 +119,7 @@ void m3_route_row(const float *logits, const float *bias, int num_experts, int t
     }
     float sum = 0;
     for (int i = 0; i < top_k; i++) {
-        weights[i] = 1.0f / (1.0f + expf(-logits[ids[i]]));
+        weights[i] = m3_sigmoid_f32(logits[ids[i]]);
         sum += weights[i];
     }
     for (int i = 0; i < top_k; i++)

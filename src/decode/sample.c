@@ -54,8 +54,9 @@ static int32_t argmax(const float *logits, int vocab) {
 
 m3_status m3_sample(const m3_sampler *s, m3_rng *rng, const float *logits, int vocab,
                     int32_t *token) {
-    if (!s || !logits || vocab < 1)
-        return m3_fail(M3_ERR_INVALID_ARG, "m3_sample: sampler, logits and vocab are required");
+    if (!s || !logits || vocab < 1 || !token)
+        return m3_fail(M3_ERR_INVALID_ARG,
+                       "m3_sample: sampler, logits, vocab and a token pointer are required");
     if (!(s->temperature >= 0) || !isfinite(s->temperature))
         return m3_fail(M3_ERR_INVALID_ARG, "temperature = %g: must be >= 0", s->temperature);
     if (!(s->top_p > 0 && s->top_p <= 1))
@@ -69,6 +70,9 @@ m3_status m3_sample(const m3_sampler *s, m3_rng *rng, const float *logits, int v
         *token = best;
         return M3_OK;
     }
+    if (!rng)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_sample: temperature %g needs a generator",
+                       s->temperature);
     cand *c = malloc((size_t)vocab * sizeof *c);
     if (!c)
         return m3_fail(M3_ERR_NO_MEMORY, "out of memory sampling");
@@ -86,7 +90,10 @@ m3_status m3_sample(const m3_sampler *s, m3_rng *rng, const float *logits, int v
         return m3_fail(M3_ERR_NO_MEMORY, "out of memory sampling");
     }
     for (int i = 0; i < n; i++) {
-        p[i] = exp(((double)c[i].logit - (double)c[0].logit) / s->temperature);
+        /* relative to the best; inf - inf (several +inf, or all -inf) is a
+         * tie with the best, weight 1 */
+        double d = (double)c[i].logit - (double)c[0].logit;
+        p[i] = isnan(d) ? 1.0 : exp(d / s->temperature);
         sum += p[i];
     }
     if (s->top_p < 1) { /* the smallest prefix whose mass reaches top_p */

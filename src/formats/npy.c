@@ -32,6 +32,7 @@ struct m3_npy_writer {
     int64_t rows;
     size_t header_total; /* preamble + dict + padding + '\n' */
     m3_status error;     /* the first failure; later calls repeat it */
+    char error_msg[512]; /* ... with its message */
 };
 
 static int npy_dict(char *buf, size_t cap, int64_t rows, int64_t cols) {
@@ -93,11 +94,12 @@ m3_status m3_npy_append_row(m3_npy_writer *w, const float *row) {
     if (!w || !row)
         return m3_fail(M3_ERR_INVALID_ARG, "m3_npy_append_row: NULL argument");
     if (w->error != M3_OK)
-        return m3_fail(w->error, "%s: an earlier write failed", w->path);
+        return m3_fail(w->error, "%s", w->error_msg);
     if (fwrite(row, sizeof *row, (size_t)w->cols, w->fp) != (size_t)w->cols) {
-        w->error = M3_ERR_IO;
-        return m3_fail(M3_ERR_IO, "%s: writing row %" PRId64 " failed: %s", w->path, w->rows,
-                       strerror(errno));
+        w->error = m3_fail(M3_ERR_IO, "%s: writing row %" PRId64 " failed: %s", w->path, w->rows,
+                           strerror(errno));
+        snprintf(w->error_msg, sizeof w->error_msg, "%s", m3_last_error());
+        return w->error;
     }
     w->rows++;
     return M3_OK;
@@ -108,7 +110,7 @@ m3_status m3_npy_close(m3_npy_writer *w) {
         return m3_fail(M3_ERR_INVALID_ARG, "m3_npy_close: NULL writer");
     m3_status s = w->error;
     if (s != M3_OK)
-        m3_fail(s, "%s: an earlier write failed", w->path);
+        m3_fail(s, "%s", w->error_msg); /* the first failure's own message */
     else if (fflush(w->fp) != 0 || fseek(w->fp, 0, SEEK_SET) != 0)
         s = m3_fail(M3_ERR_IO, "%s: cannot rewind to rewrite the header: %s", w->path,
                     strerror(errno));

@@ -337,7 +337,8 @@ static int st_cmp_entry_name(const void *a, const void *b) {
 /* Sorted by begin, a tensor overlaps an earlier one exactly when it starts
  * before the furthest end seen so far; empty tensors cover no bytes. */
 static m3_status st_check_overlap(const char *path, st_pending *p, size_t n) {
-    qsort(p, n, sizeof *p, st_cmp_begin);
+    if (n > 1)
+        qsort(p, n, sizeof *p, st_cmp_begin);
     const st_pending *furthest = NULL;
     for (size_t i = 0; i < n; i++) {
         if (p[i].begin == p[i].end)
@@ -355,7 +356,8 @@ static m3_status st_check_overlap(const char *path, st_pending *p, size_t n) {
 }
 
 static m3_status st_check_names(const char *path, st_pending *p, size_t n) {
-    qsort(p, n, sizeof *p, st_cmp_pending_name);
+    if (n > 1)
+        qsort(p, n, sizeof *p, st_cmp_pending_name);
     for (size_t i = 1; i < n; i++)
         if (strcmp(p[i - 1].e.name, p[i].e.name) == 0)
             return m3_fail(M3_ERR_FORMAT, "%s: duplicate tensor name '%s'", path, p[i].e.name);
@@ -425,7 +427,9 @@ static m3_status st_take_pending(m3_st_set *set, int file, st_pending *p, size_t
 }
 
 static m3_status st_map_file(st_file *f) {
-    int fd = open(f->path, O_RDONLY | O_CLOEXEC);
+    /* non-blocking, so a FIFO in the folder is refused below instead of
+     * waiting forever for a writer */
+    int fd = open(f->path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
         return m3_fail(M3_ERR_IO, "cannot open %s: %s", f->path, strerror(errno));
     struct stat st;
@@ -495,7 +499,8 @@ static m3_status st_add_file(m3_st_set *set, char *path) {
 
 /* Sorts all entries by name; a duplicate now can only span two files. */
 static m3_status st_finish_set(m3_st_set *set) {
-    qsort(set->entries, set->count, sizeof *set->entries, st_cmp_entry_name);
+    if (set->count > 1) /* an empty set has no array to sort */
+        qsort(set->entries, set->count, sizeof *set->entries, st_cmp_entry_name);
     for (size_t i = 1; i < set->count; i++) {
         const m3_st_entry *a = &set->entries[i - 1], *b = &set->entries[i];
         if (strcmp(a->name, b->name) == 0)
@@ -610,7 +615,8 @@ static m3_status st_index_files(const char *ipath, const cJSON *map, const char 
         }
         names[i++] = v->valuestring;
     }
-    qsort(names, (size_t)n, sizeof *names, st_cmp_str);
+    if (n > 1)
+        qsort(names, (size_t)n, sizeof *names, st_cmp_str);
     int distinct = 0;
     for (i = 0; i < n; i++)
         if (distinct == 0 || strcmp(names[distinct - 1], names[i]) != 0)
@@ -909,7 +915,8 @@ static m3_status st_writer_unique(const m3_st_writer *w) {
         return M3_ERR_NO_MEMORY;
     for (size_t i = 0; i < w->n; i++)
         names[i] = w->t[i].name;
-    qsort(names, w->n, sizeof *names, st_cmp_str);
+    if (w->n > 1)
+        qsort(names, w->n, sizeof *names, st_cmp_str);
     m3_status s = M3_OK;
     for (size_t i = 1; i < w->n && s == M3_OK; i++)
         if (strcmp(names[i - 1], names[i]) == 0)

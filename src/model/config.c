@@ -10,6 +10,11 @@
  * so later code can trust the struct.
  */
 #include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,6 +55,9 @@ static m3_status get_int(const cJSON *obj, const char *const *names, bool has_de
             *out = def;
             return M3_OK;
         }
+        if (names[1])
+            return m3_fail(M3_ERR_CONFIG, "config.json: missing required field '%s' (or '%s')",
+                           names[0], names[1]);
         return m3_fail(M3_ERR_CONFIG, "config.json: missing required field '%s'", names[0]);
     }
     double v = it->valuedouble;
@@ -173,6 +181,11 @@ static m3_status parse_attention(const cJSON *t, m3_config *c) {
     INT_FIELD(t, c->num_kv_heads, NAMES("num_key_value_heads"), false, 0, 1, 1024);
     M3_TRY(get_int(t, NAMES("head_dim"), true, c->hidden_size / c->num_q_heads, 2, 1024, &v));
     c->head_dim = (int)v;
+    if (c->head_dim < 2 || c->head_dim > 1024) /* a derived default is checked too */
+        return m3_fail(M3_ERR_CONFIG,
+                       "config.json: head_dim = hidden_size / num_attention_heads = %d is out of "
+                       "range [2, 1024]; give head_dim",
+                       c->head_dim);
     if (c->num_q_heads % c->num_kv_heads)
         return m3_fail(M3_ERR_CONFIG,
                        "config.json: num_attention_heads = %d is not a multiple of "
@@ -206,7 +219,13 @@ static m3_status parse_attention(const cJSON *t, m3_config *c) {
     if (!(factor > 0 && factor <= 1))
         return m3_fail(M3_ERR_CONFIG, "config.json: partial_rotary_factor = %g must be in (0, 1]",
                        factor);
-    int from_factor = (int)lround(factor * c->head_dim);
+    double exact = factor * c->head_dim;
+    int from_factor = (int)lround(exact);
+    if (fabs(exact - from_factor) > 1e-6 || from_factor < 2)
+        return m3_fail(M3_ERR_CONFIG,
+                       "config.json: rotary_dim = partial_rotary_factor %g x head_dim %d = %g "
+                       "is not a whole number of at least 2 dimensions",
+                       factor, c->head_dim, exact);
     M3_TRY(get_int(t, NAMES("rotary_dim"), true, from_factor, 2, c->head_dim, &v));
     c->rotary_dim = (int)v;
     if (find_any(t, NAMES("rotary_dim"), NULL) &&
@@ -270,6 +289,11 @@ static m3_status parse_sparse(const cJSON *t, m3_config *c) {
                                NAMES("full_attention", "dense_attention"), c->layer_sparse));
     bool use_sparse = true;
     M3_TRY(get_bool(s, NAMES("use_sparse_attention"), true, &use_sparse));
+    bool configured = (sc && cJSON_IsObject(sc)) || find_any(t, NAMES("index_topk_blocks"), NULL);
+    if (use_sparse && configured && !freq && !types)
+        return m3_fail(M3_ERR_CONFIG,
+                       "config.json: sparse attention is configured but no layer says whether it "
+                       "is sparse (sparse_attention_freq or layer_types is missing)");
     int n_sparse = 0;
     for (int i = 0; i < L; i++) {
         c->layer_sparse[i] = c->layer_sparse[i] && use_sparse;
@@ -387,6 +411,9 @@ static m3_status parse_ffn(const cJSON *t, m3_config *c, bool flattened) {
         M3_TRY(get_bool(t, NAMES("use_routing_bias"), true, &c->use_routing_bias));
         double rsf;
         M3_TRY(get_num(t, NAMES("routed_scaling_factor"), true, 1.0, &rsf));
+        if (!(rsf > 0))
+            return m3_fail(M3_ERR_CONFIG, "config.json: routed_scaling_factor = %g must be > 0",
+                           rsf);
         c->routed_scaling_factor = (float)rsf;
     }
 
@@ -417,20 +444,24 @@ static m3_status parse_tokens(const cfg_src *src, m3_config *c) {
         eos = find_any(src->root, NAMES("eos_token_id"), NULL);
     c->num_eos = 0;
     if (eos && cJSON_IsNumber(eos)) {
-        if (eos->valuedouble < 0 || eos->valuedouble >= c->vocab_size)
+        if (eos->valuedouble != floor(eos->valuedouble) || eos->valuedouble < 0 ||
+            eos->valuedouble >= c->vocab_size)
             return m3_fail(M3_ERR_CONFIG, "config.json: eos_token_id = %g is outside the vocab %d",
                            eos->valuedouble, c->vocab_size);
         c->eos_ids[c->num_eos++] = (int32_t)eos->valuedouble;
     } else if (eos && cJSON_IsArray(eos)) {
         const cJSON *e;
         cJSON_ArrayForEach(e, eos) {
-            if (!cJSON_IsNumber(e) || e->valuedouble < 0 || e->valuedouble >= c->vocab_size)
+            if (!cJSON_IsNumber(e) || e->valuedouble != floor(e->valuedouble) ||
+                e->valuedouble < 0 || e->valuedouble >= c->vocab_size)
                 return m3_fail(M3_ERR_CONFIG,
                                "config.json: eos_token_id entries must be token ids below the "
                                "vocab size %d",
                                c->vocab_size);
-            if (c->num_eos < 8)
-                c->eos_ids[c->num_eos++] = (int32_t)e->valuedouble;
+            if (c->num_eos == 8)
+                return m3_fail(M3_ERR_UNSUPPORTED,
+                               "config.json: eos_token_id lists at most 8 ids are supported");
+            c->eos_ids[c->num_eos++] = (int32_t)e->valuedouble;
         }
     } else if (eos) {
         return m3_fail(M3_ERR_CONFIG, "config.json: eos_token_id must be an integer or a list");
@@ -462,6 +493,15 @@ static m3_status parse_quant(const cfg_src *src, m3_config *c) {
     return M3_OK;
 }
 
+static bool known_model_type(const char *t) {
+    static const char *const known[] = {"minimax_m3", "minimax_m3_vl", "minimax_m3_text",
+                                        "minimax_m3_vl_text"};
+    for (size_t i = 0; i < sizeof known / sizeof *known; i++)
+        if (!strcmp(t, known[i]))
+            return true;
+    return false;
+}
+
 m3_status m3_config_parse(const char *json, size_t len, m3_config *out) {
     memset(out, 0, sizeof *out);
     cJSON *root = cJSON_ParseWithLength(json, len);
@@ -483,13 +523,15 @@ m3_status m3_config_parse(const char *json, size_t len, m3_config *out) {
         }
         src.text = tc;
     }
-    const char *model_type = NULL;
-    if ((st = get_str(src.text, NAMES("model_type"), &model_type)))
-        goto done;
-    if (model_type && strncmp(model_type, "minimax_m3", 10)) {
-        st = m3_fail(M3_ERR_UNSUPPORTED, "config.json: model_type = %s is not MiniMax-M3",
-                     model_type);
-        goto done;
+    for (int level = 0; level < 2; level++) {
+        const char *model_type = NULL;
+        if ((st = get_str(level ? root : src.text, NAMES("model_type"), &model_type)))
+            goto done;
+        if (model_type && !known_model_type(model_type)) {
+            st = m3_fail(M3_ERR_UNSUPPORTED, "config.json: model_type = %s is not MiniMax-M3",
+                         model_type);
+            goto done;
+        }
     }
     bool flattened = !cJSON_GetObjectItemCaseSensitive(src.text, "sparse_attention_config") &&
                      (cJSON_GetObjectItemCaseSensitive(src.text, "mlp_layer_types") ||
@@ -527,36 +569,39 @@ m3_status m3_config_load(const char *path, m3_config *out) {
 
 m3_status m3_read_text_file(const char *path, size_t max_bytes, char **out, size_t *len) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return m3_fail(M3_ERR_IO, "cannot open %s", path);
-    size_t cap = 4096, n = 0;
-    char *buf = malloc(cap);
-    for (;;) {
-        if (!buf) {
-            fclose(f);
-            return m3_fail(M3_ERR_NO_MEMORY, "out of memory reading %s", path);
-        }
-        n += fread(buf + n, 1, cap - n, f);
-        if (n < cap)
-            break;
-        if (cap >= max_bytes) {
-            free(buf);
-            fclose(f);
-            return m3_fail(M3_ERR_FORMAT, "%s is larger than %zu bytes", path, max_bytes);
-        }
-        char *grown = realloc(buf, cap * 2);
-        if (!grown)
-            free(buf);
-        buf = grown;
-        cap *= 2;
+    /* non-blocking open, so a FIFO is refused instead of waiting forever */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return m3_fail(M3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return m3_fail(M3_ERR_IO, "%s is not a regular file", path);
     }
-    bool err = ferror(f);
-    fclose(f);
-    if (err) {
-        free(buf);
-        return m3_fail(M3_ERR_IO, "error reading %s", path);
+    if ((uint64_t)sb.st_size > max_bytes) {
+        close(fd);
+        return m3_fail(M3_ERR_FORMAT, "%s is larger than %zu bytes", path, max_bytes);
     }
+    size_t size = (size_t)sb.st_size, n = 0;
+    char *buf = malloc(size + 1);
+    if (!buf) {
+        close(fd);
+        return m3_fail(M3_ERR_NO_MEMORY, "out of memory reading %s", path);
+    }
+    while (n < size) {
+        ssize_t got = read(fd, buf + n, size - n);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0) {
+            int err = got < 0 ? errno : EIO;
+            free(buf);
+            close(fd);
+            return m3_fail(M3_ERR_IO, "error reading %s: %s", path, strerror(err));
+        }
+        n += (size_t)got;
+    }
+    close(fd);
+    buf[n] = '\0';
     *out = buf;
     *len = n;
     return M3_OK;

@@ -348,8 +348,8 @@ static m3_status bind_model(m3_model *m) {
 
 m3_status m3_model_load(const char *dir, const m3_model_opts *opts, m3_model **out) {
     *out = NULL;
-    if (!dir)
-        return m3_fail(M3_ERR_INVALID_ARG, "model directory is NULL");
+    if (!dir || !dir[0])
+        return m3_fail(M3_ERR_INVALID_ARG, "the model directory is %s", dir ? "empty" : "NULL");
     m3_model *m = calloc(1, sizeof *m);
     char path[4096];
     if (!m)

@@ -119,8 +119,17 @@ m3_status m3_config_cut_layers(m3_config *c, int n) {
     c->num_layers = n;
     for (int i = n; i < M3_MAX_LAYERS; i++)
         c->layer_sparse[i] = c->layer_moe[i] = false;
+    /* fields of layer kinds that no longer exist read back as zero from
+     * config.json, so clear them here too */
     if (!m3_config_count_sparse(c))
         c->index_heads = c->index_dim = c->topk_blocks = c->init_blocks = c->local_blocks = 0;
+    if (!m3_config_count_moe(c)) {
+        c->expert_dim = c->shared_dim = c->num_experts = c->experts_per_tok = 0;
+        c->use_routing_bias = false;
+        c->routed_scaling_factor = 0;
+    }
+    if (m3_config_count_moe(c) == c->num_layers)
+        c->dense_dim = 0;
     return M3_OK;
 }
 

@@ -282,6 +282,8 @@ static m3_status write_file_atomic(const char *path, const char *text) {
 
 static m3_status make_dir(const char *dir) {
     char buf[4096];
+    if (!dir[0])
+        return m3_fail(M3_ERR_INVALID_ARG, "the output directory is an empty string");
     snprintf(buf, sizeof buf, "%s", dir);
     for (char *p = buf + 1; *p; p++) {
         if (*p != '/')
