@@ -39,7 +39,7 @@ test-release: build
 	cd build && ctest --output-on-failure -j $(JOBS)
 
 test-asan: build-asan
-	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	cd build-asan && ASAN_OPTIONS=detect_leaks=1:protect_shadow_gap=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS)
 
 test: test-release test-asan

@@ -116,7 +116,7 @@ m3_status m3_config_to_json(const m3_config *cfg, char **out);
 
 /* ---------------------------------------------------------------- presets */
 
-/* Named model shapes for m3_synth: "tiny", "m3", "m3-tp4-rank". */
+/* Named model shapes for m3_synth: "tiny", "small", "m3", "m3-tp4-rank". */
 m3_status m3_preset(const char *name, m3_config *out);
 /* Cut a config to its first n layers (dense layers first, as released). */
 m3_status m3_config_cut_layers(m3_config *cfg, int n);
@@ -156,6 +156,8 @@ typedef enum m3_device { M3_DEVICE_CPU = 0, M3_DEVICE_CUDA = 1 } m3_device;
 
 typedef struct m3_engine_opts {
     m3_device device;
+    int gpu;                     /* CUDA device index */
+    bool graphs;                 /* CUDA: replay decode steps from CUDA graphs */
     int threads;                 /* CPU worker threads (0: all cores) */
     int64_t max_tokens;          /* KV capacity in tokens over all sequences */
     int max_rows;                /* most rows in one step (prefill chunk) */
@@ -181,6 +183,13 @@ typedef struct m3_request {
     const int32_t *tokens;
     int n_tokens;
 } m3_request;
+
+/* Step statistics: steps run by the fused (mono) path and by the stock
+ * path, and decode steps replayed from a CUDA graph. */
+typedef struct m3_engine_stats {
+    int64_t mono_steps, stock_steps, graph_replays;
+} m3_engine_stats;
+m3_engine_stats m3_engine_get_stats(const m3_engine *eng);
 
 /* One forward step over n_reqs requests (rows = their summed n_tokens,
  * at most max_rows). On success the tokens are in the cache and logits
@@ -226,6 +235,14 @@ typedef struct m3_gen_result {
 } m3_gen_result;
 
 m3_gen_opts m3_gen_defaults(void);
+/* One decode step (one token per request) that also samples: tokens[r]
+ * is request r's next token, drawn with the sampler (on the device where the
+ * backend can: greedy, or temperature without top-k/top-p, keyed by
+ * (seed, step)); logits [n_reqs, vocab] is filled when non-NULL. */
+m3_status m3_engine_decode(m3_engine *eng, const m3_request *reqs, int n_reqs,
+                           const m3_sampler *sampler, m3_rng *rng, int64_t step,
+                           int32_t *tokens, float *logits);
+
 /* Prefill the prompt (chunked by max_rows) in a fresh sequence, then decode. */
 m3_status m3_generate(m3_engine *eng, const int32_t *prompt, int n_prompt,
                       const m3_gen_opts *opts, m3_gen_result *out);

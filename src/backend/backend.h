@@ -16,6 +16,7 @@
 #ifndef M3_BACKEND_BACKEND_H
 #define M3_BACKEND_BACKEND_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "core/tensor.h"
@@ -127,6 +128,22 @@ typedef struct m3_backend_ops {
      * shared) summed in fp32. x, out [rows, H]. */
     m3_status (*moe)(m3_backend *be, int rows, const uint16_t *x, const m3_layer_weights *lw,
                      const m3_moe_params *p, uint16_t *out);
+
+    /* ---- graphs (NULL: the backend has none) ----
+     * Ops launched between begin and end are recorded, not run; end with
+     * keep returns an executable graph that replays them. */
+    m3_status (*graph_begin)(m3_backend *be);
+    m3_status (*graph_end)(m3_backend *be, bool keep, void **graph);
+    m3_status (*graph_launch)(m3_backend *be, void *graph);
+    void (*graph_free)(m3_backend *be, void *graph);
+
+    /* ---- sampling on the device (NULL: the host samples) ----
+     * tokens[r] = argmax of logits row r (temperature 0; lowest id on ties,
+     * NaN never chosen, -1 if all are NaN) or a draw from
+     * softmax(logits / temperature) keyed by (seed, counter[r]). */
+    m3_status (*sample)(m3_backend *be, int rows, const float *logits, int vocab,
+                        float temperature, uint64_t seed, const int64_t *counter,
+                        int32_t *tokens);
 } m3_backend_ops;
 
 struct m3_backend {
@@ -136,5 +153,8 @@ struct m3_backend {
 
 /* The CPU backend with n_threads workers (0: all cores). */
 m3_status m3_cpu_backend_create(int n_threads, m3_backend **out);
+/* The CUDA backend on GPU `device`; M3_ERR_UNSUPPORTED in a build without
+ * CUDA, M3_ERR_DEVICE without a usable GPU. */
+m3_status m3_cuda_backend_create(int device, m3_backend **out);
 
 #endif

@@ -27,5 +27,8 @@ int cmd_generate(int argc, char **argv);
 
 /* The folder of the built-in tiny model, synthesized on first use. */
 m3_status cli_builtin_tiny(char *dir, size_t cap);
+/* The folder of preset cut to layers (0: all), synthesized on first use. */
+m3_status cli_cached_preset(const char *preset, int layers, char *dir, size_t cap);
+int cmd_bench(int argc, char **argv);
 
 #endif

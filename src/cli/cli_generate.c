@@ -19,7 +19,7 @@ typedef struct gen_args {
     const char *model, *prompt, *prompt_ids, *dump_logits, *device;
     int64_t max_tokens, top_k, threads, max_rows, seed;
     double temperature, top_p;
-    bool json, ignore_eos;
+    bool json, ignore_eos, no_graphs;
 } gen_args;
 
 static void gen_usage(FILE *f) {
@@ -27,7 +27,7 @@ static void gen_usage(FILE *f) {
             "usage: m3 generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3)\n"
             "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]\n"
             "                   [--seed S] [--dump-logits FILE.npy] [--json] [--threads N]\n"
-            "                   [--device cpu] [--max-rows N] [--ignore-eos]\n"
+            "                   [--device cpu|cuda] [--no-graphs] [--max-rows N] [--ignore-eos]\n"
             "\n"
             "  --model DIR        checkpoint folder (default: the built-in tiny model)\n"
             "  --prompt TEXT      each UTF-8 byte becomes the token id of its value\n"
@@ -38,6 +38,8 @@ static void gen_usage(FILE *f) {
             "  --dump-logits F    write each generated token's logits, float32 [N, vocab]\n"
             "  --json             print one JSON object: tokens and timings\n"
             "  --threads N        CPU threads (default: all cores)\n"
+            "  --device D         cpu (default) or cuda (an NVIDIA Hopper GPU)\n"
+            "  --no-graphs        cuda: run decode steps eagerly, not from CUDA graphs\n"
             "  --max-rows N       rows per step, the prefill chunk (default 256)\n"
             "  --ignore-eos       do not stop at the end-of-sequence token\n");
 }
@@ -56,6 +58,10 @@ static int parse_args(int argc, char **argv, gen_args *a) {
         }
         if (!strcmp(f, "--ignore-eos")) {
             a->ignore_eos = true;
+            continue;
+        }
+        if (!strcmp(f, "--no-graphs")) {
+            a->no_graphs = true;
             continue;
         }
         if (!(v = cli_value(argc, argv, &i)))
@@ -97,9 +103,8 @@ static int parse_args(int argc, char **argv, gen_args *a) {
         fprintf(stderr, "m3 generate: give exactly one of --prompt or --prompt-ids\n");
         return CLI_USAGE;
     }
-    if (strcmp(a->device, "cpu")) {
-        fprintf(stderr, "m3 generate: --device %s is not available in this build (cpu)\n",
-                a->device);
+    if (strcmp(a->device, "cpu") && strcmp(a->device, "cuda")) {
+        fprintf(stderr, "m3 generate: --device %s: expected cpu or cuda\n", a->device);
         return CLI_USAGE;
     }
     return CLI_OK;
@@ -159,7 +164,7 @@ static int on_token(void *user, int32_t token, const float *logits, int vocab) {
     return d->failed != M3_OK;
 }
 
-static void print_result(const gen_args *a, const m3_gen_result *r) {
+static void print_result(const gen_args *a, const m3_gen_result *r, m3_engine_stats stats) {
     int decode_steps = r->n_tokens > 1 ? r->n_tokens - 1 : 0;
     double prefill_tps = r->prefill_seconds > 0 ? r->n_prompt / r->prefill_seconds : 0;
     double decode_tps = r->decode_seconds > 0 ? decode_steps / r->decode_seconds : 0;
@@ -173,6 +178,9 @@ static void print_result(const gen_args *a, const m3_gen_result *r) {
         cJSON_AddNumberToObject(o, "decode_seconds", r->decode_seconds);
         cJSON_AddNumberToObject(o, "prefill_tokens_per_s", prefill_tps);
         cJSON_AddNumberToObject(o, "decode_tokens_per_s", decode_tps);
+        cJSON_AddNumberToObject(o, "mono_steps", (double)stats.mono_steps);
+        cJSON_AddNumberToObject(o, "stock_steps", (double)stats.stock_steps);
+        cJSON_AddNumberToObject(o, "graph_replays", (double)stats.graph_replays);
         char *text = cJSON_PrintUnformatted(o);
         if (text)
             printf("%s\n", text);
@@ -206,6 +214,8 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
     if (!st) {
         m3_engine_opts eo = m3_engine_defaults();
         eo.threads = (int)a->threads;
+        eo.device = strcmp(a->device, "cuda") ? M3_DEVICE_CPU : M3_DEVICE_CUDA;
+        eo.graphs = !a->no_graphs;
         eo.max_rows = (int)a->max_rows;
         eo.max_seqs = 1;
         /* the cache holds this run, capped at the model's context (a longer
@@ -234,7 +244,7 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
             st = closed;
     }
     if (!st) {
-        print_result(a, &res);
+        print_result(a, &res, m3_engine_get_stats(eng));
         /* tokens that never reach the reader are a failure, not a success */
         if (fflush(stdout) != 0 || ferror(stdout))
             st = m3_fail(M3_ERR_IO, "writing the result to standard output failed");

@@ -14,7 +14,7 @@ static void synth_usage(FILE *f) {
     fprintf(f, "usage: m3 synth (--preset NAME | --config FILE) --out DIR [--seed S] [--layers N]\n"
                "                [--mxfp8]\n"
                "\n"
-               "  --preset NAME   tiny, m3 or m3-tp4-rank\n"
+               "  --preset NAME   tiny, small, m3 or m3-tp4-rank\n"
                "  --config FILE   a config.json (flat or nested under text_config)\n"
                "  --out DIR       the checkpoint folder to write (created)\n"
                "  --seed S        weight seed (default 0)\n"

@@ -18,6 +18,7 @@ static void usage(FILE *f) {
             "commands:\n"
             "  synth     write a checkpoint with deterministic random weights\n"
             "  generate  generate tokens from a checkpoint (default: the built-in tiny model)\n"
+            "  bench     time one layer's decode step against its memory floor (CUDA)\n"
             "\n"
             "Run 'm3 <command> --help' for a command's options.\n");
 }
@@ -81,6 +82,8 @@ int main(int argc, char **argv) {
         return cmd_synth(argc - 1, argv + 1);
     if (!strcmp(argv[1], "generate"))
         return cmd_generate(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "bench"))
+        return cmd_bench(argc - 1, argv + 1);
     fprintf(stderr, "m3: unknown command '%s'\n", argv[1]);
     usage(stderr);
     return CLI_USAGE;

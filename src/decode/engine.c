@@ -15,11 +15,18 @@
 m3_engine_opts m3_engine_defaults(void) {
     m3_engine_opts o = {0};
     o.device = M3_DEVICE_CPU;
+    o.gpu = 0;
+    o.graphs = true;
     o.threads = 0;
     o.max_tokens = 0; /* min(max_position_embeddings, 32768) */
     o.max_rows = 256;
     o.max_seqs = 8;
     return o;
+}
+
+/* Rows the scratch holds: max_rows, and at least a whole graph bucket. */
+static int scratch_rows(const m3_engine *e) {
+    return e->opts.max_rows > M3_GRAPH_MAX_ROWS ? e->opts.max_rows : M3_GRAPH_MAX_ROWS;
 }
 
 static void free_scratch(m3_engine *e) {
@@ -32,7 +39,7 @@ static void free_scratch(m3_engine *e) {
 
 static m3_status alloc_scratch(m3_engine *e) {
     const m3_config *c = &e->cfg;
-    size_t R = (size_t)e->opts.max_rows, H = (size_t)c->hidden_size, D = (size_t)c->head_dim;
+    size_t R = (size_t)scratch_rows(e), H = (size_t)c->hidden_size, D = (size_t)c->head_dim;
     size_t Ni = (size_t)c->index_heads, Di = (size_t)c->index_dim;
     size_t F = (size_t)(c->dense_dim > 0 ? c->dense_dim : 1);
     m3_scratch *s = &e->s;
@@ -61,9 +68,19 @@ static m3_status alloc_scratch(m3_engine *e) {
         {(void **)&s->out_rows, R * 4},
         {(void **)&s->logits, R * (size_t)c->vocab_size * 4},
     };
+    M3_TRY(e->be->ops->alloc(e->be, R * 4, (void **)&e->tokens_dev));
+    M3_TRY(e->be->ops->alloc(e->be, R * 8, (void **)&e->counter_dev));
     for (size_t i = 0; i < sizeof want / sizeof *want; i++)
         M3_TRY(e->be->ops->alloc(e->be, want[i].bytes, want[i].ptr));
     return M3_OK;
+}
+
+static void free_graphs(m3_engine *e) {
+    for (int i = 0; i < M3_GRAPH_BUCKETS; i++)
+        if (e->graph[i]) {
+            e->be->ops->graph_free(e->be, e->graph[i]);
+            e->graph[i] = NULL;
+        }
 }
 
 static void free_step(m3_engine *e) {
@@ -82,7 +99,7 @@ static void free_step(m3_engine *e) {
 
 /* Host and backend copies of the step arrays, sized for the limits. */
 static m3_status alloc_step(m3_engine *e) {
-    size_t R = (size_t)e->opts.max_rows, B = (size_t)e->opts.max_seqs;
+    size_t R = (size_t)scratch_rows(e), B = (size_t)e->opts.max_seqs;
     size_t sizes[7] = {R * 4, R * 8, R * 8, R * 4, B * 4, (B + 1) * 4, B * (size_t)e->max_blocks * 4};
     m3_step_arrays *h = &e->step.host, *d = &e->step.dev;
     void **hp[] = {(void **)&h->tokens, (void **)&h->positions, (void **)&h->slots,
@@ -116,9 +133,9 @@ static m3_status alloc_cache(m3_engine *e, int32_t n_pages) {
 }
 
 static m3_status check_opts(const m3_config *c, m3_engine_opts *o) {
-    if (o->device != M3_DEVICE_CPU)
-        return m3_fail(M3_ERR_UNSUPPORTED,
-                       "device %d is not available in this build (only cpu)", (int)o->device);
+    if (o->device != M3_DEVICE_CPU && o->device != M3_DEVICE_CUDA)
+        return m3_fail(M3_ERR_INVALID_ARG, "device %d is not cpu (0) or cuda (1)",
+                       (int)o->device);
     if (o->max_rows < 1 || o->max_rows > 1 << 16)
         return m3_fail(M3_ERR_INVALID_ARG, "max_rows = %d: must be in [1, 65536]", o->max_rows);
     if (o->max_seqs < 1 || o->max_seqs > 1 << 16)
@@ -138,6 +155,11 @@ void m3_engine_free(m3_engine *e) {
     if (!e)
         return;
     if (e->be) {
+        free_graphs(e);
+        if (e->tokens_dev)
+            e->be->ops->release(e->be, e->tokens_dev);
+        if (e->counter_dev)
+            e->be->ops->release(e->be, e->counter_dev);
         free_scratch(e);
         free_step(e);
         for (int i = 0; e->cache.layers && i < e->cfg.num_layers; i++) {
@@ -172,7 +194,12 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
     int32_t n_pages = (int32_t)((e->opts.max_tokens + M3_PAGE_TOKENS - 1) / M3_PAGE_TOKENS);
     e->max_blocks = (int)((max_context + M3_PAGE_TOKENS - 1) / M3_PAGE_TOKENS);
     if (!st)
-        st = m3_cpu_backend_create(e->opts.threads, &e->be);
+        st = e->opts.device == M3_DEVICE_CUDA ? m3_cuda_backend_create(e->opts.gpu, &e->be)
+                                              : m3_cpu_backend_create(e->opts.threads, &e->be);
+    /* a backend with graphs sees capacity-wide block tables, so one
+     * captured step serves every context length */
+    if (!st)
+        e->graphs = e->opts.graphs && e->be->ops->graph_begin != NULL;
     if (!st)
         st = m3_comm_create_single(&e->comm);
     if (!st)
@@ -194,6 +221,11 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
 }
 
 int64_t m3_engine_max_context(const m3_engine *e) { return e->cache.max_context; }
+
+m3_engine_stats m3_engine_get_stats(const m3_engine *e) {
+    m3_engine_stats s = {e->mono_steps, e->stock_steps, e->graph_replays};
+    return s;
+}
 
 m3_status m3_seq_create(m3_engine *e, m3_seq *out) { return m3_cache_seq_create(&e->cache, out); }
 
@@ -241,11 +273,13 @@ static m3_status check_requests(const m3_engine *e, const m3_request *reqs, int 
     return M3_OK;
 }
 
-/* Fill the host step arrays (pages already reserved) and upload them. */
-static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, int rows) {
+/* Fill the host step arrays (pages already reserved) for rows real rows
+ * padded to padded_rows, and upload them. */
+static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, int rows,
+                            int padded_rows) {
     m3_step *st = &e->step;
     m3_step_arrays *h = &st->host;
-    st->rows = rows;
+    st->rows = padded_rows;
     st->n_reqs = n_reqs;
     st->n_prefill = st->n_decode = 0;
     st->max_query_len = 0;
@@ -273,7 +307,16 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
         }
     }
     h->query_start[n_reqs] = t;
-    /* the table is as wide as the step's longest sequence needs */
+    for (; t < padded_rows; t++) { /* inert rows: no slot, position 0 */
+        h->tokens[t] = 0;
+        h->positions[t] = 0;
+        h->slots[t] = -1;
+        h->row_req[t] = 0;
+    }
+    /* the table is as wide as the step's longest sequence needs, or, for a
+     * backend replaying graphs, as wide as the context allows */
+    if (e->graphs)
+        width = e->max_blocks;
     st->max_blocks = width;
     for (int r = 0; r < n_reqs; r++) {
         const m3_seq_state *sq = &e->cache.seqs[reqs[r].seq];
@@ -282,13 +325,113 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
     }
     const m3_backend_ops *op = e->be->ops;
     m3_step_arrays *d = &st->dev;
-    M3_TRY(op->upload(e->be, d->tokens, h->tokens, (size_t)rows * 4));
-    M3_TRY(op->upload(e->be, d->positions, h->positions, (size_t)rows * 8));
-    M3_TRY(op->upload(e->be, d->slots, h->slots, (size_t)rows * 8));
-    M3_TRY(op->upload(e->be, d->row_req, h->row_req, (size_t)rows * 4));
+    int R = padded_rows;
+    M3_TRY(op->upload(e->be, d->tokens, h->tokens, (size_t)R * 4));
+    M3_TRY(op->upload(e->be, d->positions, h->positions, (size_t)R * 8));
+    M3_TRY(op->upload(e->be, d->slots, h->slots, (size_t)R * 8));
+    M3_TRY(op->upload(e->be, d->row_req, h->row_req, (size_t)R * 4));
     M3_TRY(op->upload(e->be, d->seq_lens, h->seq_lens, (size_t)n_reqs * 4));
     M3_TRY(op->upload(e->be, d->query_start, h->query_start, (size_t)(n_reqs + 1) * 4));
     return op->upload(e->be, d->block_table, h->block_table, (size_t)n_reqs * width * 4);
+}
+
+/* The graph bucket of a decode step of `rows` rows, or -1. */
+static int graph_bucket(const m3_engine *e, const m3_step *st, int rows) {
+    if (!e->graphs || st->n_prefill > 0 || rows > M3_GRAPH_MAX_ROWS || e->executor)
+        return -1;
+    int b = 0;
+    while ((1 << b) < rows)
+        b++;
+    return b;
+}
+
+/* The forward of the built step, from its graph when it has one: the first
+ * step of a bucket runs eagerly (sizing every workspace) and is then
+ * captured; later steps replay the capture. */
+static m3_status run_forward(m3_engine *e, int bucket, int n_out) {
+    m3_step *st = &e->step;
+    if (bucket < 0)
+        return m3_forward_device(e, st, n_out);
+    st->graph_mode = M3_GRAPH_FULL;
+    if (!e->graph[bucket]) {
+        M3_TRY(m3_forward_device(e, st, n_out));
+        int64_t mono = e->mono_steps, stock = e->stock_steps;
+        M3_TRY(e->be->ops->graph_begin(e->be));
+        st->capturing = true;
+        m3_status cap = m3_forward_device(e, st, n_out);
+        st->capturing = false;
+        m3_status end = e->be->ops->graph_end(e->be, cap == M3_OK, &e->graph[bucket]);
+        e->mono_steps = mono; /* the capture ran nothing */
+        e->stock_steps = stock;
+        M3_TRY(cap);
+        return end;
+    }
+    M3_TRY(e->be->ops->graph_launch(e->be, e->graph[bucket]));
+    e->graph_replays++;
+    if (e->executor) /* never graphed today; counted like an eager step */
+        return M3_OK;
+    e->stock_steps++;
+    return M3_OK;
+}
+
+/* Reserve pages, build the step, run it with the logits of out_rows
+ * (host indices, n_out) in s.logits; on failure give the pages back. */
+static m3_status step_forward(m3_engine *e, const m3_request *reqs, int n_reqs,
+                              const int32_t *out_rows, int n_out, int *bucket_out) {
+    int rows = 0;
+    M3_TRY(check_requests(e, reqs, n_reqs, &rows));
+    int r = 0;
+    m3_status st = M3_OK;
+    for (; r < n_reqs && !st; r++)
+        st = m3_cache_reserve(&e->cache, reqs[r].seq,
+                              e->cache.seqs[reqs[r].seq].len + reqs[r].n_tokens);
+    int bucket = -1;
+    if (!st) {
+        /* decode steps of a graph bucket are padded to its width */
+        bool decode = true;
+        for (int q = 0; q < n_reqs; q++)
+            decode = decode && reqs[q].n_tokens == 1 && e->cache.seqs[reqs[q].seq].len > 0;
+        m3_step probe = {.n_prefill = decode ? 0 : 1};
+        bucket = graph_bucket(e, &probe, rows);
+        int padded = bucket >= 0 ? 1 << bucket : rows;
+        st = build_step(e, reqs, n_reqs, rows, padded);
+        if (!st && bucket >= 0)
+            n_out = padded; /* a graph computes every padded row's logits */
+    }
+    if (!st)
+        st = e->be->ops->upload(e->be, e->s.out_rows, out_rows, (size_t)n_out * sizeof *out_rows);
+    if (!st)
+        st = run_forward(e, bucket, n_out);
+    if (st) {
+        /* give back the pages this step took; lengths never moved */
+        for (int q = 0; q < r; q++)
+            m3_cache_trim(&e->cache, reqs[q].seq, e->cache.seqs[reqs[q].seq].len);
+        return st;
+    }
+    for (int q = 0; q < n_reqs; q++)
+        e->cache.seqs[reqs[q].seq].len += reqs[q].n_tokens;
+    *bucket_out = bucket;
+    return M3_OK;
+}
+
+m3_status m3_engine_set_len(m3_engine *e, m3_seq seq, int64_t len) {
+    M3_TRY(m3_cache_reserve(&e->cache, seq, len));
+    m3_cache_trim(&e->cache, seq, len);
+    e->cache.seqs[seq].len = len;
+    return M3_OK;
+}
+
+m3_status m3_engine_build(m3_engine *e, const m3_request *reqs, int n_reqs, bool pad) {
+    int rows = 0;
+    M3_TRY(check_requests(e, reqs, n_reqs, &rows));
+    for (int r = 0; r < n_reqs; r++)
+        M3_TRY(m3_cache_reserve(&e->cache, reqs[r].seq,
+                                e->cache.seqs[reqs[r].seq].len + reqs[r].n_tokens));
+    int padded = rows;
+    if (pad && rows <= M3_GRAPH_MAX_ROWS)
+        while (padded & (padded - 1))
+            padded++;
+    return build_step(e, reqs, n_reqs, rows, padded);
 }
 
 m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float *logits,
@@ -298,37 +441,88 @@ m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float
                        "buffer are required");
     int rows = 0;
     M3_TRY(check_requests(e, reqs, n_reqs, &rows));
-    int r = 0;
-    m3_status st = M3_OK;
-    for (; r < n_reqs && !st; r++)
-        st = m3_cache_reserve(&e->cache, reqs[r].seq,
-                              e->cache.seqs[reqs[r].seq].len + reqs[r].n_tokens);
-    if (!st)
-        st = build_step(e, reqs, n_reqs, rows);
-    int32_t *out_rows = NULL;
-    if (!st && !(out_rows = m3_malloc((size_t)rows * sizeof *out_rows, "logit rows")))
-        st = M3_ERR_NO_MEMORY;
-    if (!st && all_logits) {
-        for (int i = 0; i < rows; i++)
-            out_rows[i] = i;
-        st = m3_forward(e, &e->step, rows, out_rows, all_logits);
-        for (int q = 0; !st && logits && q < n_reqs; q++)
-            memcpy(logits + (size_t)q * e->cfg.vocab_size,
-                   all_logits + (size_t)(e->step.host.query_start[q + 1] - 1) * e->cfg.vocab_size,
-                   (size_t)e->cfg.vocab_size * sizeof *logits);
-    } else if (!st) {
-        for (int q = 0; q < n_reqs; q++)
-            out_rows[q] = e->step.host.query_start[q + 1] - 1;
-        st = m3_forward(e, &e->step, n_reqs, out_rows, logits);
+    int R = scratch_rows(e);
+    int32_t *out_rows = m3_malloc((size_t)R * sizeof *out_rows, "logit rows");
+    if (!out_rows)
+        return M3_ERR_NO_MEMORY;
+    /* every row, or each request's last row; padded rows map to themselves */
+    for (int i = 0; i < R; i++)
+        out_rows[i] = i;
+    int n_out = rows;
+    if (!all_logits) {
+        int t = 0;
+        for (int q = 0; q < n_reqs; q++) {
+            t += reqs[q].n_tokens;
+            out_rows[q] = t - 1;
+        }
+        n_out = n_reqs;
     }
+    int bucket;
+    m3_status st = step_forward(e, reqs, n_reqs, out_rows, n_out, &bucket);
     free(out_rows);
-    if (st) {
-        /* give back the pages this step took; lengths never moved */
-        for (int q = 0; q < r; q++)
-            m3_cache_trim(&e->cache, reqs[q].seq, e->cache.seqs[reqs[q].seq].len);
+    size_t V = (size_t)e->cfg.vocab_size;
+    if (!st && all_logits)
+        st = e->be->ops->download(e->be, all_logits, e->s.logits, (size_t)rows * V * 4);
+    if (!st && logits && all_logits) {
+        int t = 0;
+        for (int q = 0; q < n_reqs; q++) {
+            t += reqs[q].n_tokens;
+            memcpy(logits + q * V, all_logits + (size_t)(t - 1) * V, V * sizeof *logits);
+        }
+    } else if (!st && logits) {
+        /* a graph step's out rows are its rows, which for decode are the
+         * requests' last rows, in order */
+        st = e->be->ops->download(e->be, logits, e->s.logits, (size_t)n_reqs * V * 4);
+    }
+    return st;
+}
+
+static bool device_can_sample(const m3_engine *e, const m3_sampler *s) {
+    return e->be->ops->sample && (s->temperature == 0 || (s->top_k == 0 && s->top_p >= 1));
+}
+
+m3_status m3_engine_decode(m3_engine *e, const m3_request *reqs, int n_reqs,
+                           const m3_sampler *sampler, m3_rng *rng, int64_t step,
+                           int32_t *tokens, float *logits) {
+    if (!e || !reqs || !sampler || !tokens)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_engine_decode: engine, requests, sampler and "
+                       "tokens are required");
+    for (int q = 0; q < n_reqs; q++)
+        if (reqs[q].n_tokens != 1)
+            return m3_fail(M3_ERR_INVALID_ARG,
+                           "m3_engine_decode: request %d has %d tokens; a decode step has one",
+                           q, reqs[q].n_tokens);
+    size_t V = (size_t)e->cfg.vocab_size;
+    if (!device_can_sample(e, sampler)) {
+        float *buf = logits ? logits : m3_malloc((size_t)n_reqs * V * 4, "logits");
+        if (!buf)
+            return M3_ERR_NO_MEMORY;
+        m3_status st = m3_engine_step(e, reqs, n_reqs, buf, NULL);
+        for (int q = 0; q < n_reqs && !st; q++)
+            st = m3_sample(sampler, rng, buf + q * V, (int)V, &tokens[q]);
+        if (buf != logits)
+            free(buf);
         return st;
     }
+    int32_t out_rows[M3_GRAPH_MAX_ROWS];
+    if (n_reqs > M3_GRAPH_MAX_ROWS)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_engine_decode: at most %d requests per step",
+                       M3_GRAPH_MAX_ROWS);
+    int64_t counters[M3_GRAPH_MAX_ROWS];
+    for (int q = 0; q < M3_GRAPH_MAX_ROWS; q++) {
+        out_rows[q] = q;
+        counters[q] = step * M3_GRAPH_MAX_ROWS + q;
+    }
+    M3_TRY(e->be->ops->upload(e->be, e->counter_dev, counters, sizeof counters));
+    int bucket;
+    M3_TRY(step_forward(e, reqs, n_reqs, out_rows, n_reqs, &bucket));
+    M3_TRY(e->be->ops->sample(e->be, n_reqs, e->s.logits, (int)V, sampler->temperature,
+                              sampler->seed, e->counter_dev, e->tokens_dev));
+    M3_TRY(e->be->ops->download(e->be, tokens, e->tokens_dev, (size_t)n_reqs * 4));
     for (int q = 0; q < n_reqs; q++)
-        e->cache.seqs[reqs[q].seq].len += reqs[q].n_tokens;
+        if (tokens[q] < 0)
+            return m3_fail(M3_ERR_FAULT, "every logit of request %d is NaN", q);
+    if (logits)
+        M3_TRY(e->be->ops->download(e->be, logits, e->s.logits, (size_t)n_reqs * V * 4));
     return M3_OK;
 }

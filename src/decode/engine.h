@@ -13,7 +13,10 @@
 #include "dist/comm.h"
 #include "model/model.h"
 
-/* Activations of one step, in backend memory; R = max_rows. */
+#define M3_GRAPH_BUCKETS 5 /* decode steps of 1, 2, 4, 8, 16 rows */
+#define M3_GRAPH_MAX_ROWS 16
+
+/* Activations of one step, in backend memory; R = max(max_rows, 16). */
 typedef struct m3_scratch {
     uint16_t *hidden;    /* [R, H]: a layer's output */
     uint16_t *residual;  /* [R, H] */
@@ -60,14 +63,31 @@ struct m3_engine {
     m3_step step;
     int max_blocks;      /* block table width: ceil(max_context / 128) */
     m3_layer_range_executor *executor;
-    int64_t mono_steps, stock_steps;
+    int64_t mono_steps, stock_steps, graph_replays;
+    bool graphs;         /* capture and replay decode steps */
+    void *graph[M3_GRAPH_BUCKETS];
+    int32_t *tokens_dev; /* [R] sampled tokens */
+    int64_t *counter_dev;/* [R] sampling counters */
     m3_layer_hook layer_hook;
     void *layer_hook_user;
 };
 
-/* Run one step: layers, then the logits of out_rows[0..n_out) (host
- * indices) into logits (host memory, [n_out, V]). */
-m3_status m3_forward(m3_engine *eng, const m3_step *step, int n_out, const int32_t *out_rows,
-                     float *logits);
+/* Run one step on the backend: the layers, then the logits of the rows
+ * s.out_rows[0..n_out) (backend memory) into s.logits [n_out, V]. Launches
+ * only, so a CUDA graph can capture it. */
+m3_status m3_forward_device(m3_engine *eng, const m3_step *step, int n_out);
+
+
+/* One layer of the stock path on the step (layer 0: first = true, the
+ * residual holds the embedding). Launches only. */
+m3_status m3_stock_layer(m3_engine *eng, const m3_step *step, int layer, bool first);
+
+/* For benchmarks: give seq len tokens of cache (pages reserved, contents
+ * whatever the cache holds) without running them. */
+m3_status m3_engine_set_len(m3_engine *eng, m3_seq seq, int64_t len);
+/* For benchmarks: check, reserve and build (upload) the step of reqs into
+ * eng->step without running it or committing lengths; decode steps are
+ * padded to their graph bucket when pad. */
+m3_status m3_engine_build(m3_engine *eng, const m3_request *reqs, int n_reqs, bool pad);
 
 #endif

@@ -13,7 +13,7 @@
 #include "decode/engine.h"
 
 /* The stock path of one layer: hidden/residual in, hidden/residual out. */
-static m3_status stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) {
+m3_status m3_stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) {
     const m3_config *c = &eng->cfg;
     const m3_backend_ops *op = eng->be->ops;
     m3_backend *be = eng->be;
@@ -73,26 +73,23 @@ static m3_status stock_layer(m3_engine *eng, const m3_step *st, int li, bool fir
     return op->linear(be, T, s->act, &lw->mlp_down, M3_DT_BF16, s->hidden);
 }
 
-/* final = norm(hidden + residual) of the wanted rows; logits = final lm_head^T */
-static m3_status final_logits(m3_engine *eng, int n_out, const int32_t *out_rows,
-                              float *logits) {
+/* final = norm(hidden + residual) of the wanted rows (s->out_rows, in
+ * backend memory); logits = final lm_head^T into s->logits. */
+static m3_status final_logits(m3_engine *eng, int n_out) {
     const m3_config *c = &eng->cfg;
     const m3_backend_ops *op = eng->be->ops;
     m3_backend *be = eng->be;
     m3_scratch *s = &eng->s;
     int H = c->hidden_size;
-    M3_TRY(op->upload(be, s->out_rows, out_rows, (size_t)n_out * sizeof *out_rows));
     M3_TRY(op->gather_rows(be, n_out, s->out_rows, H, s->hidden, s->out_hidden));
     M3_TRY(op->gather_rows(be, n_out, s->out_rows, H, s->residual, s->out_residual));
     M3_TRY(op->add_rmsnorm(be, n_out, H, s->out_hidden, s->out_residual, &eng->w.norm,
                            c->rms_norm_eps, s->final));
     m3_linear head = {eng->w.lm_head, {0}};
-    M3_TRY(op->linear(be, n_out, s->final, &head, M3_DT_F32, s->logits));
-    return op->download(be, logits, s->logits, (size_t)n_out * c->vocab_size * sizeof *logits);
+    return op->linear(be, n_out, s->final, &head, M3_DT_F32, s->logits);
 }
 
-m3_status m3_forward(m3_engine *eng, const m3_step *st, int n_out, const int32_t *out_rows,
-                     float *logits) {
+m3_status m3_forward_device(m3_engine *eng, const m3_step *st, int n_out) {
     const m3_config *c = &eng->cfg;
     m3_backend *be = eng->be;
     M3_TRY(be->ops->embed(be, st->rows, st->dev.tokens, &eng->w.embed, eng->s.residual));
@@ -105,7 +102,7 @@ m3_status m3_forward(m3_engine *eng, const m3_step *st, int n_out, const int32_t
             li = ex->last_layer;
             continue;
         }
-        failure = stock_layer(eng, st, li, li == 0);
+        failure = m3_stock_layer(eng, st, li, li == 0);
         if (failure)
             m3_fail_context(failure, "layer %d", li);
         else if (eng->layer_hook)
@@ -121,5 +118,5 @@ m3_status m3_forward(m3_engine *eng, const m3_step *st, int n_out, const int32_t
             failure = after;
     }
     M3_TRY(failure);
-    return final_logits(eng, n_out, out_rows, logits);
+    return final_logits(eng, n_out);
 }

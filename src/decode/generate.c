@@ -55,6 +55,9 @@ static m3_status prefill(m3_engine *e, m3_seq seq, const int32_t *prompt, int n_
     return M3_OK;
 }
 
+/* The first token comes from the prefill's logits; each later one from a
+ * decode step that samples on the device where the backend can. logits
+ * holds the logits of the token just chosen (for on_token). */
 static m3_status run(m3_engine *e, m3_seq seq, const int32_t *prompt, int n_prompt,
                      const m3_gen_opts *o, float *logits, m3_gen_result *res) {
     int V = e->cfg.vocab_size;
@@ -62,11 +65,12 @@ static m3_status run(m3_engine *e, m3_seq seq, const int32_t *prompt, int n_prom
     m3_rng_seed(&rng, o->sampler.seed);
     double t0 = m3_now_seconds();
     M3_TRY(prefill(e, seq, prompt, n_prompt, logits));
+    int32_t tok = 0;
+    if (o->max_new_tokens > 0)
+        M3_TRY(m3_sample(&o->sampler, &rng, logits, V, &tok));
     double t1 = m3_now_seconds();
     res->prefill_seconds = t1 - t0;
     for (int i = 0; i < o->max_new_tokens; i++) {
-        int32_t tok;
-        M3_TRY(m3_sample(&o->sampler, &rng, logits, V, &tok));
         res->tokens[res->n_tokens++] = tok;
         if (o->on_token && o->on_token(o->user, tok, logits, V))
             break;
@@ -77,7 +81,11 @@ static m3_status run(m3_engine *e, m3_seq seq, const int32_t *prompt, int n_prom
         if (i + 1 == o->max_new_tokens)
             break; /* the last token needs no forward */
         m3_request rq = {seq, &tok, 1};
-        M3_TRY(m3_engine_step(e, &rq, 1, logits, NULL));
+        int32_t next;
+        /* the logits travel to the host only when someone reads them */
+        M3_TRY(m3_engine_decode(e, &rq, 1, &o->sampler, &rng, i, &next,
+                                o->on_token ? logits : NULL));
+        tok = next;
     }
     res->decode_seconds = m3_now_seconds() - t1;
     return M3_OK;

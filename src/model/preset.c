@@ -82,6 +82,33 @@ m3_status m3_preset(const char *name, m3_config *out) {
         *out = c;
         return M3_OK;
     }
+    if (!strcmp(name, "small")) {
+        /* between tiny and the real widths, for GPU-vs-CPU model tests that
+         * the CPU reference still runs in seconds: M3 geometry, 16 query
+         * heads per KV head as released, hidden 1024, four layers */
+        c.hidden_size = 1024;
+        c.num_layers = 4;
+        c.num_q_heads = 32;
+        c.num_kv_heads = 2;
+        c.index_heads = 2;
+        c.vocab_size = 8192;
+        c.expert_dim = 256;
+        c.dense_dim = 2048;
+        c.shared_dim = 256;
+        c.num_experts = 16;
+        c.experts_per_tok = 4;
+        c.topk_blocks = 4;
+        c.init_blocks = 1;
+        c.local_blocks = 1;
+        c.max_position_embeddings = 1 << 17;
+        memset(c.layer_sparse, 0, sizeof c.layer_sparse);
+        memset(c.layer_moe, 0, sizeof c.layer_moe);
+        for (int i = 1; i < c.num_layers; i++)
+            c.layer_sparse[i] = c.layer_moe[i] = true;
+        c.eos_ids[0] = 8191;
+        *out = c;
+        return M3_OK;
+    }
     if (!strcmp(name, "tiny")) {
         /* small widths, M3 geometry; one dense layer then two sparse+MoE
          * layers; top-3 of 128-token blocks with one init and one local
@@ -109,7 +136,7 @@ m3_status m3_preset(const char *name, m3_config *out) {
         *out = c;
         return M3_OK;
     }
-    return m3_fail(M3_ERR_INVALID_ARG, "unknown preset '%s' (known: tiny, m3, m3-tp4-rank)",
+    return m3_fail(M3_ERR_INVALID_ARG, "unknown preset '%s' (known: tiny, small, m3, m3-tp4-rank)",
                    name);
 }
 

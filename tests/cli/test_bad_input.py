@@ -1220,7 +1220,7 @@ def gen_neither_prompt_nor_ids():
 
 @case
 def gen_device_nonsense():
-    expect_fail(gen_args(GOOD, "--device", "tpu9"), ["--device tpu9 is not available"], rc=2)
+    expect_fail(gen_args(GOOD, "--device", "tpu9"), ["--device tpu9: expected cpu or cuda"], rc=2)
 
 
 @case

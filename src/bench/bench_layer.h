@@ -1,0 +1,50 @@
+/*
+ * `m3 bench layer`: the time one decode step spends in one layer, against
+ * the floor SPEC §9 defines: the fewest bytes the step must read (the
+ * layer's attention and router weights, the experts its rows route to,
+ * the shared expert, the K/V and index cache it attends over) divided by
+ * the streaming read bandwidth measured in the same run.
+ */
+#ifndef M3_BENCH_BENCH_LAYER_H
+#define M3_BENCH_BENCH_LAYER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "m3.h"
+
+#define M3_BENCH_MAX_POINTS 64
+
+typedef struct m3_bench_layer_opts {
+    const char *model_dir;
+    int layer;                 /* -1: the first sparse MoE layer (else the last) */
+    int rows[M3_BENCH_MAX_POINTS], n_rows;
+    int64_t contexts[M3_BENCH_MAX_POINTS];
+    int n_contexts;
+    const char *path;          /* "stock" */
+    int iters;                 /* timed replays per point */
+    int gpu;
+} m3_bench_layer_opts;
+
+typedef struct m3_bench_point {
+    int layer, rows;
+    int64_t context;
+    const char *path;
+    double median_us, min_us;
+    double bytes, floor_us;
+    double weight_bytes, cache_bytes;
+    double unique_experts;     /* mean over rotation sets */
+    int sets;                  /* input sets rotated through */
+} m3_bench_point;
+
+typedef struct m3_bench_layer_result {
+    double read_gb_per_s;
+    char device[128];
+    m3_bench_point points[M3_BENCH_MAX_POINTS * 4];
+    int n_points;
+} m3_bench_layer_result;
+
+/* Run every (context, rows) point; progress lines on stderr. */
+m3_status m3_bench_layer(const m3_bench_layer_opts *opts, m3_bench_layer_result *out);
+
+#endif

@@ -1,0 +1,191 @@
+/*
+ * `m3 bench layer`: parse the points to measure, run them (bench/), and
+ * print a table (or JSON for machines) of time, bytes, floor and their
+ * ratio per (rows, context).
+ */
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench/bench_layer.h"
+#include "cli/cli.h"
+
+static void bench_usage(FILE *f) {
+    fprintf(f,
+            "usage: m3 bench layer (--model DIR | --preset NAME [--layers N])\n"
+            "                      [--rows 1,2,4,8,16] [--context 4096,32768,131072]\n"
+            "                      [--path stock] [--layer L] [--iters N] [--gpu N] [--json]\n"
+            "\n"
+            "  --preset NAME   a preset (e.g. m3-tp4-rank) cut to --layers (default 4),\n"
+            "                  synthesized on first use into the model cache\n"
+            "  --layer L       the layer to time (default: the first sparse MoE layer)\n"
+            "  --iters N       timed graph replays per point (default 50)\n"
+            "  --json          print JSON instead of the table\n");
+}
+
+/* "1,2,4" -> values; false with a message on a bad list. */
+static bool parse_list(const char *flag, const char *text, int64_t lo, int64_t hi, int64_t *out,
+                       int *n) {
+    *n = 0;
+    char *copy = strdup(text), *save = NULL;
+    bool ok = copy != NULL;
+    for (char *tok = ok ? strtok_r(copy, ",", &save) : NULL; ok && tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        if (*n == M3_BENCH_MAX_POINTS) {
+            fprintf(stderr, "m3 bench: %s lists more than %d values\n", flag, M3_BENCH_MAX_POINTS);
+            ok = false;
+        } else {
+            ok = cli_int(flag, tok, lo, hi, &out[(*n)++]);
+        }
+    }
+    free(copy);
+    if (ok && !*n) {
+        fprintf(stderr, "m3 bench: %s is empty\n", flag);
+        ok = false;
+    }
+    return ok;
+}
+
+static void print_table(const m3_bench_layer_result *r) {
+    printf("read bandwidth: %.0f GB/s\n", r->read_gb_per_s);
+    printf("| path | layer | rows | context | time us | min us | MB read | floor us | "
+           "time/floor | experts | sets |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < r->n_points; i++) {
+        const m3_bench_point *p = &r->points[i];
+        printf("| %s | %d | %d | %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %d |\n", p->path,
+               p->layer, p->rows, (long long)p->context, p->median_us, p->min_us,
+               p->bytes / 1e6, p->floor_us, p->median_us / p->floor_us, p->unique_experts,
+               p->sets);
+    }
+}
+
+static void print_json(const m3_bench_layer_result *r) {
+    cJSON *o = cJSON_CreateObject(), *pts = cJSON_CreateArray();
+    cJSON_AddNumberToObject(o, "read_gb_per_s", r->read_gb_per_s);
+    for (int i = 0; i < r->n_points; i++) {
+        const m3_bench_point *p = &r->points[i];
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "path", p->path);
+        cJSON_AddNumberToObject(j, "layer", p->layer);
+        cJSON_AddNumberToObject(j, "rows", p->rows);
+        cJSON_AddNumberToObject(j, "context", (double)p->context);
+        cJSON_AddNumberToObject(j, "median_us", p->median_us);
+        cJSON_AddNumberToObject(j, "min_us", p->min_us);
+        cJSON_AddNumberToObject(j, "bytes", p->bytes);
+        cJSON_AddNumberToObject(j, "weight_bytes", p->weight_bytes);
+        cJSON_AddNumberToObject(j, "cache_bytes", p->cache_bytes);
+        cJSON_AddNumberToObject(j, "floor_us", p->floor_us);
+        cJSON_AddNumberToObject(j, "unique_experts", p->unique_experts);
+        cJSON_AddNumberToObject(j, "sets", p->sets);
+        cJSON_AddItemToArray(pts, j);
+    }
+    cJSON_AddItemToObject(o, "points", pts);
+    char *text = cJSON_Print(o);
+    if (text)
+        printf("%s\n", text);
+    free(text);
+    cJSON_Delete(o);
+}
+
+static int parse_args(int argc, char **argv, m3_bench_layer_opts *o, const char **preset,
+                      int64_t *layers, bool *json) {
+    int64_t v, rows[M3_BENCH_MAX_POINTS];
+    int n = 0;
+    for (int i = 2; i < argc; i++) {
+        const char *f = argv[i], *val;
+        if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
+            bench_usage(stdout);
+            return -1;
+        }
+        if (!strcmp(f, "--json")) {
+            *json = true;
+            continue;
+        }
+        if (!(val = cli_value(argc, argv, &i)))
+            return CLI_USAGE;
+        bool ok = true;
+        v = 0;
+        if (!strcmp(f, "--model")) {
+            o->model_dir = val;
+        } else if (!strcmp(f, "--preset")) {
+            *preset = val;
+        } else if (!strcmp(f, "--path")) {
+            o->path = val;
+        } else if (!strcmp(f, "--layers")) {
+            ok = cli_int(f, val, 1, M3_MAX_LAYERS, layers);
+        } else if (!strcmp(f, "--layer")) {
+            ok = cli_int(f, val, 0, M3_MAX_LAYERS - 1, &v);
+            o->layer = (int)v;
+        } else if (!strcmp(f, "--iters")) {
+            ok = cli_int(f, val, 1, 100000, &v);
+            o->iters = (int)v;
+        } else if (!strcmp(f, "--gpu")) {
+            ok = cli_int(f, val, 0, 64, &v);
+            o->gpu = (int)v;
+        } else if (!strcmp(f, "--rows")) {
+            ok = parse_list(f, val, 1, 16, rows, &n);
+            o->n_rows = n;
+            for (int k = 0; k < n; k++)
+                o->rows[k] = (int)rows[k];
+        } else if (!strcmp(f, "--context")) {
+            ok = parse_list(f, val, 2, (int64_t)1 << 32, o->contexts, &o->n_contexts);
+        } else {
+            fprintf(stderr, "m3 bench: unknown option '%s'\n", f);
+            return CLI_USAGE;
+        }
+        if (!ok)
+            return CLI_USAGE;
+    }
+    if (!!o->model_dir == !!*preset) {
+        fprintf(stderr, "m3 bench: give exactly one of --model or --preset\n");
+        return CLI_USAGE;
+    }
+    return CLI_OK;
+}
+
+int cmd_bench(int argc, char **argv) {
+    if (argc < 2 || strcmp(argv[1], "layer")) {
+        if (argc >= 2 && (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
+            bench_usage(stdout);
+            return CLI_OK;
+        }
+        fprintf(stderr, "m3 bench: expected 'layer'\n");
+        bench_usage(stderr);
+        return CLI_USAGE;
+    }
+    m3_bench_layer_opts o = {.layer = -1, .path = "stock", .iters = 50};
+    const int default_rows[] = {1, 2, 4, 8, 16};
+    o.n_rows = 5;
+    memcpy(o.rows, default_rows, sizeof default_rows);
+    o.n_contexts = 3;
+    o.contexts[0] = 4096;
+    o.contexts[1] = 32768;
+    o.contexts[2] = 131072;
+    const char *preset = NULL;
+    int64_t layers = 4;
+    bool json = false;
+    int rc = parse_args(argc, argv, &o, &preset, &layers, &json);
+    if (rc)
+        return rc < 0 ? CLI_OK : rc;
+    char dir[4096];
+    if (preset) {
+        m3_status st = cli_cached_preset(preset, (int)layers, dir, sizeof dir);
+        if (st)
+            return cli_report("bench", st);
+        o.model_dir = dir;
+    }
+    m3_bench_layer_result *r = malloc(sizeof *r);
+    if (!r)
+        return CLI_FAILED;
+    m3_status st = m3_bench_layer(&o, r);
+    if (!st) {
+        if (json)
+            print_json(r);
+        else
+            print_table(r);
+    }
+    free(r);
+    return st ? cli_report("bench", st) : CLI_OK;
+}

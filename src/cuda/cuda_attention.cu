@@ -1,0 +1,1187 @@
+/*
+ * Attention on the GPU (SPEC §2.3 step 5, §3): the indexer's block scores,
+ * the per-head block selection and paged dense / block-sparse attention,
+ * with the contracts of backend.h and the capture rules of cuda_internal.h
+ * (cu->stream only; no sync, allocation or host copy; step metadata read on
+ * the device; grids sized by capacities, CTAs past a row's work return).
+ *
+ * - index_scores: one CTA per (row, slice of the row's blocks), blocks
+ *   j, j+G, ... so every row's real work spreads over its G CTAs whatever
+ *   its length. The CTA holds the row's index queries in fp64 in shared
+ *   memory and streams key blocks through a two-stage cp.async pipeline;
+ *   one thread per position forms the dot in fp64 with the CPU's eight
+ *   interleaved accumulators and its pairwise tail (m3_dot_f32), so every
+ *   score is bit-identical to the CPU's, and the max over positions keeps
+ *   the CPU's sequential rule (first maximal value, NaN sticky).
+ * - select_blocks: one CTA per (row, head); the best non-forced blocks are
+ *   found by a radix select over 64-bit keys (score order with NaN lowest,
+ *   then block id, so ties go to the higher id: m3_select_row's total
+ *   order), then compacted in ascending block order.
+ * - attention: flash-decoding. One CTA per (row, KV head, tile of up to 16
+ *   query heads, split); it streams its share of the row's blocks as
+ *   64-key K/V tiles (cp.async, two stages) and runs all query heads of the
+ *   group on tensor cores (bf16 mma.sync, fp32 accumulation; P is rounded
+ *   to bf16 for the P.V product as FlashAttention does), so each K/V byte
+ *   is read once per row. With G = 16 heads per KV head the op is ~128 flop
+ *   per byte: CUDA-core fp32 could not keep up with HBM, tensor cores can.
+ *   Each warp keeps its own online softmax over 16 keys of every tile; the
+ *   four warps merge at the end, then either write the bf16 output (one
+ *   split) or a partial (max, sum, acc) that a combine kernel merges.
+ *
+ * Broken metadata never causes a wild access: a row whose request id is
+ * negative or whose position lies past the block table, and a block whose
+ * page is outside the pool, read nothing and yield NaN (scores, attention
+ * output) so tests see them.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "cuda/cuda_common.cuh"
+#include "cuda/cuda_internal.h"
+
+namespace {
+
+constexpr int kSmemPerBlockMax = 227 * 1024; /* sm_90 opt-in shared memory per CTA */
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ float qnan() { return __int_as_float(0x7fc00000); }
+
+static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* ------------------------------------------------------------ step rows */
+
+/* The step metadata the kernels read (device pointers) plus the capacities
+ * that stay fixed for a captured graph. */
+struct StepView {
+    const int64_t *positions, *slots;
+    const int32_t *row_req, *block_table;
+    int max_blocks;
+    int64_t n_pages; /* <= 0: unknown; pages are then only checked for >= 0 */
+};
+
+enum { ROW_OK = 0, ROW_PADDED, ROW_BAD };
+
+struct RowView {
+    int state;
+    int64_t kv_len;       /* position + 1, 0 for a negative position */
+    int nblocks;          /* ceil(kv_len / 128), clamped to max_blocks */
+    const int32_t *table; /* the request's block table row (ROW_OK only) */
+};
+
+__device__ RowView load_row(const StepView &sv, int t) {
+    /* three independent loads, issued together (they head every kernel's
+     * dependency chain) */
+    int64_t slot = sv.slots[t], pos = sv.positions[t], cap = (int64_t)sv.max_blocks * M3_PAGE;
+    int32_t req = sv.row_req[t];
+    RowView r{ROW_PADDED, 0, 0, nullptr};
+    if (slot < 0)
+        return r;
+    r.kv_len = pos < 0 ? 0 : pos + 1;
+    r.state = ROW_OK;
+    if (pos >= cap) { /* past the table: cannot be looked up */
+        r.kv_len = cap;
+        r.state = ROW_BAD;
+    }
+    r.nblocks = (int)((r.kv_len + M3_PAGE - 1) / M3_PAGE);
+    if (req < 0)
+        r.state = ROW_BAD;
+    if (r.state == ROW_OK)
+        r.table = sv.block_table + (int64_t)req * sv.max_blocks;
+    return r;
+}
+
+__device__ __forceinline__ bool page_ok(const StepView &sv, int64_t page) {
+    return page >= 0 && (sv.n_pages <= 0 || page < sv.n_pages);
+}
+
+static StepView step_view(const m3_step *st) {
+    StepView v;
+    v.positions = st->dev.positions;
+    v.slots = st->dev.slots;
+    v.row_req = st->dev.row_req;
+    v.block_table = st->dev.block_table;
+    v.max_blocks = st->max_blocks;
+    v.n_pages = st->n_pages;
+    return v;
+}
+
+static m3_status check_step(const m3_step *st, const char *op) {
+    if (!st || st->rows < 0 || st->max_blocks < 0)
+        return m3_fail(M3_ERR_INVALID_ARG, "%s: bad step metadata", op);
+    if (st->rows > 0 && (!st->dev.positions || !st->dev.slots || !st->dev.row_req ||
+                         (st->max_blocks > 0 && !st->dev.block_table)))
+        return m3_fail(M3_ERR_INVALID_ARG, "%s: step metadata is not on the device", op);
+    return M3_OK;
+}
+
+/* CTAs of `kernel` that fit on one SM (at least 1): sizes grids to one wave. */
+template <typename K>
+static int ctas_per_sm(K kernel, int threads, size_t smem) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess) {
+        cudaGetLastError(); /* not sticky; keep it from surfacing in a later check */
+        n = 1;
+    }
+    return n < 1 ? 1 : n;
+}
+
+/* ------------------------------------------------------------ PTX helpers */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* 16 bytes global -> shared, bypassing L1; with fill false the 16 bytes are
+ * zeroed and nothing is read. */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool fill) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(fill ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+/* d += a b: m16n8k16, bf16 in, fp32 accumulate */
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* ============================================================ index scores */
+
+constexpr int kIdxThreads = 128; /* one thread per position of a block */
+constexpr int kIdxWarps = kIdxThreads / 32;
+constexpr int kIdxHeadsPerPass = 4; /* fp64 accumulators: 8 per head per thread */
+
+/* Exact fp64 scaling that lets keys skip the fp32 -> fp64 conversion
+ * (F2F, a quarter-rate op that shares the MIO path with the shared loads):
+ * a bf16 key's bits placed in a double's high word are the key times
+ * 2^-896 (normal and subnormal alike), the queries are staged times
+ * 2^448, so every product is the CPU's product times 2^-448, which keeps
+ * every product and partial sum in fp64's normal range; the fp64 sums
+ * then round exactly as the CPU's and 2^448 brings the sum back exactly. */
+#define M3_IDX_KEY_SCALE 0x1p-896
+#define M3_IDX_Q_SCALE 0x1p448
+
+struct IndexArgs {
+    StepView sv;
+    int heads, dim, ctas_per_row;
+    const uint16_t *iq, *icache;
+    float scale;
+    float *scores;
+};
+
+/* padded shared row: 16 more bytes make the per-thread row reads of a
+ * quarter warp fall in distinct banks */
+__host__ __device__ __forceinline__ int idx_row_bytes(int dim) { return dim * 2 + 16; }
+
+static size_t idx_smem(int heads, int dim) {
+    return (size_t)heads * dim * sizeof(double) + 2 * (size_t)M3_PAGE * idx_row_bytes(dim);
+}
+
+/* The CPU's running max folded over two consecutive runs of positions:
+ * `later` replaces `earlier` only if strictly greater or NaN, and a NaN
+ * stays. Keeps the first maximal value (so -0 vs +0 matches the CPU too). */
+__device__ __forceinline__ float first_max(float earlier, float later) {
+    if (isnan(earlier))
+        return earlier;
+    return (isnan(later) || later > earlier) ? later : earlier;
+}
+
+/* first_max over the warp's lanes in lane (= position) order */
+__device__ __forceinline__ float warp_first_max(float v) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        float other = __shfl_xor_sync(kFull, v, o);
+        v = (lane & o) ? first_max(other, v) : first_max(v, other);
+    }
+    return v;
+}
+
+/* Eight bf16 keys as doubles times 2^-896. kExact: through fp32 -> fp64
+ * conversion (right for inf / NaN too); else by placing the bits, with
+ * `special` collecting whether a key has an all-ones exponent (inf / NaN,
+ * which the bit placement gets wrong): bit 15 or 31 of the sum ends up
+ * set iff a half of (~w & 0x7f80_7f80) is zero. */
+template <bool kExact>
+__device__ __forceinline__ void idx_keys(uint4 raw, double (&k)[8], uint32_t &special) {
+    uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (kExact) {
+            k[2 * i] = (double)__uint_as_float(w[i] << 16) * M3_IDX_KEY_SCALE;
+            k[2 * i + 1] = (double)__uint_as_float(w[i] & 0xffff0000u) * M3_IDX_KEY_SCALE;
+        } else {
+            special |= (~w[i] & 0x7f807f80u) - 0x00010001u;
+            uint32_t hi0 = ((w[i] << 13) & 0x0fffe000u) | ((w[i] << 16) & 0x80000000u);
+            uint32_t hi1 = ((w[i] >> 3) & 0x0fffe000u) | (w[i] & 0x80000000u);
+            k[2 * i] = __hiloint2double((int)hi0, 0);
+            k[2 * i + 1] = __hiloint2double((int)hi1, 0);
+        }
+    }
+}
+
+/* m3_dot_f32's tail: accumulators 4, 2, 1 apart, then the one rounding */
+template <int HB>
+__device__ __forceinline__ void idx_tail(double (&acc)[HB][8], float (&d)[HB]) {
+#pragma unroll
+    for (int h = 0; h < HB; h++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            acc[h][j] = __dadd_rn(acc[h][j], acc[h][j + 4]);
+        acc[h][0] = __dadd_rn(acc[h][0], acc[h][2]);
+        acc[h][1] = __dadd_rn(acc[h][1], acc[h][3]);
+        d[h] = __double2float_rn(__dmul_rn(__dadd_rn(acc[h][0], acc[h][1]), M3_IDX_Q_SCALE));
+    }
+}
+
+/* Dots of one key row (bf16, shared) with HB queries (fp64 x 2^448,
+ * shared) as m3_dot_f32 forms them: element i goes to accumulator i % 8 in
+ * order, then the tail. Products of fp32 values are exact in fp64, so each
+ * fma equals the CPU's multiply-then-add. */
+template <int HB, bool kExact>
+__device__ __forceinline__ void idx_dots(const unsigned char *krow, const double *q, int dim,
+                                         float (&d)[HB], uint32_t &special) {
+    double acc[HB][8];
+#pragma unroll
+    for (int h = 0; h < HB; h++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            acc[h][j] = 0.0;
+#pragma unroll 2
+    for (int c = 0; c < dim / 8; c++) {
+        double k[8];
+        idx_keys<kExact>(*reinterpret_cast<const uint4 *>(krow + c * 16), k, special);
+#pragma unroll
+        for (int h = 0; h < HB; h++) {
+            const double2 *qq = reinterpret_cast<const double2 *>(q + h * dim + c * 8);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                double2 qv = qq[i];
+                acc[h][2 * i] = __fma_rn(qv.x, k[2 * i], acc[h][2 * i]);
+                acc[h][2 * i + 1] = __fma_rn(qv.y, k[2 * i + 1], acc[h][2 * i + 1]);
+            }
+        }
+    }
+    idx_tail<HB>(acc, d);
+}
+
+/* Scores of block b for heads [h0, h0 + HB): every thread its position's
+ * dots (positions >= count: -inf, which never wins), then the ordered max
+ * over the block and one fp32 multiply by scale. */
+template <int HB>
+__device__ void idx_pass(const IndexArgs &a, const unsigned char *tile, const double *qd, int h0,
+                         int count, int b, float *out_row, float (*s_red)[kIdxWarps]) {
+    const unsigned char *krow = tile + threadIdx.x * idx_row_bytes(a.dim);
+    const double *q = qd + (size_t)h0 * a.dim;
+    float d[HB];
+    if ((int)threadIdx.x < count) {
+        uint32_t special = 0u;
+        idx_dots<HB, false>(krow, q, a.dim, d, special);
+        if ((special & 0x80008000u) != 0u) /* an inf / NaN key: redo through fp32 -> fp64 */
+            idx_dots<HB, true>(krow, q, a.dim, d, special);
+    } else {
+#pragma unroll
+        for (int h = 0; h < HB; h++)
+            d[h] = -INFINITY;
+    }
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int h = 0; h < HB; h++) {
+        float v = warp_first_max(d[h]);
+        if (lane == 0)
+            s_red[h][warp] = v;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < HB) {
+        int h = threadIdx.x;
+        float v = s_red[h][0];
+        for (int w = 1; w < kIdxWarps; w++)
+            v = first_max(v, s_red[h][w]);
+        out_row[(int64_t)(h0 + h) * a.sv.max_blocks + b] = v * a.scale;
+    }
+    __syncthreads(); /* s_red is reused by the next pass */
+}
+
+/* Issue the copy of block b's visible key rows into dst; records the row
+ * count (or -1 for an invalid page: nothing is read) in *s_count. */
+__device__ void idx_load(const IndexArgs &a, const RowView &rv, int b, unsigned char *dst,
+                         int *s_count) {
+    int64_t first = (int64_t)b * M3_PAGE;
+    int count = (int)min((int64_t)M3_PAGE, rv.kv_len - first);
+    int64_t page = rv.table[b];
+    bool ok = page_ok(a.sv, page);
+    if (threadIdx.x == 0)
+        *s_count = ok ? count : -1;
+    if (!ok)
+        return;
+    const unsigned char *src =
+        reinterpret_cast<const unsigned char *>(a.icache + page * M3_PAGE * a.dim);
+    int cpr = a.dim / 8, rb = idx_row_bytes(a.dim);
+    for (int c = threadIdx.x; c < count * cpr; c += kIdxThreads) {
+        int r = c / cpr, k = c - r * cpr;
+        cp_async16(dst + r * rb + k * 16, src + ((int64_t)r * a.dim + k * 8) * 2, true);
+    }
+}
+
+__device__ void idx_tile(const IndexArgs &a, const unsigned char *tile, const double *qd,
+                         int count, int b, float *out_row, float (*s_red)[kIdxWarps]) {
+    if (count < 0) { /* invalid page: the block's score is NaN */
+        for (int h = threadIdx.x; h < a.heads; h += kIdxThreads)
+            out_row[(int64_t)h * a.sv.max_blocks + b] = qnan();
+        return;
+    }
+    for (int h0 = 0; h0 < a.heads; h0 += kIdxHeadsPerPass) {
+        int hb = min(kIdxHeadsPerPass, a.heads - h0);
+        if (hb == 4)
+            idx_pass<4>(a, tile, qd, h0, count, b, out_row, s_red);
+        else if (hb == 3)
+            idx_pass<3>(a, tile, qd, h0, count, b, out_row, s_red);
+        else if (hb == 2)
+            idx_pass<2>(a, tile, qd, h0, count, b, out_row, s_red);
+        else
+            idx_pass<1>(a, tile, qd, h0, count, b, out_row, s_red);
+    }
+}
+
+/* Grid: rows x ctas_per_row; CTA j of a row owns blocks j, j+G, ... */
+__global__ void __launch_bounds__(kIdxThreads) index_scores_kernel(IndexArgs a) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int s_count[2];
+    __shared__ float s_red[kIdxHeadsPerPass][kIdxWarps];
+    const int G = a.ctas_per_row, MB = a.sv.max_blocks;
+    const int t = blockIdx.x / G, j = blockIdx.x % G;
+    float *out_row = a.scores + (int64_t)t * a.heads * MB;
+    RowView rv = load_row(a.sv, t);
+    int nb = rv.state == ROW_OK ? rv.nblocks : 0;
+    int mine = nb > j ? (nb - 1 - j) / G + 1 : 0; /* visible blocks owned */
+    int owned = j < MB ? (MB - 1 - j) / G + 1 : 0;
+    /* the owned blocks past the visible ones: -inf (NaN for a broken row) */
+    float fill = rv.state == ROW_BAD ? qnan() : -INFINITY;
+    for (int64_t k = (int64_t)mine * a.heads + threadIdx.x; k < (int64_t)owned * a.heads;
+         k += kIdxThreads) {
+        int64_t i = k / a.heads, h = k % a.heads;
+        out_row[h * MB + j + i * G] = fill;
+    }
+    if (mine == 0)
+        return;
+    double *qd = reinterpret_cast<double *>(smem);
+    unsigned char *tiles = smem + (size_t)a.heads * a.dim * sizeof(double);
+    const size_t stage = (size_t)M3_PAGE * idx_row_bytes(a.dim);
+    const uint16_t *iq = a.iq + (int64_t)t * a.heads * a.dim;
+    for (int e = threadIdx.x; e < a.heads * a.dim; e += kIdxThreads)
+        qd[e] = (double)m3_bf(iq[e]) * M3_IDX_Q_SCALE; /* exact */
+    idx_load(a, rv, j, tiles, &s_count[0]);
+    cp_async_commit();
+    for (int i = 0; i < mine; i++) {
+        if (i + 1 < mine)
+            idx_load(a, rv, j + (i + 1) * G, tiles + ((i + 1) & 1) * stage, &s_count[(i + 1) & 1]);
+        cp_async_commit();
+        cp_async_wait<1>(); /* block i has landed (block i + 1 may be in flight) */
+        __syncthreads();
+        idx_tile(a, tiles + (i & 1) * stage, qd, s_count[i & 1], j + i * G, out_row, s_red);
+        __syncthreads(); /* the stage is refilled next iteration */
+    }
+}
+
+/* ============================================================ selection */
+
+constexpr int kSelThreads = 512;
+constexpr int kSelWarps = kSelThreads / 32;
+constexpr size_t kSelStageMax = 96 * 1024; /* stage a row's scores when they fit */
+
+struct SelectArgs {
+    StepView sv;
+    int heads, topk, init, local;
+    bool staged;
+    const float *scores;
+    int32_t *selected;
+};
+
+struct SelShared {
+    unsigned hist[256];
+    unsigned long long prefix;
+    unsigned k;
+    int done;
+    int wcount[kSelWarps];
+};
+
+/* m3_select_row's order as one unsigned key, larger = better: the score
+ * (NaN below -inf, -0 equal to +0), then the block id (ties: higher id). */
+__device__ __forceinline__ uint64_t sel_key(float s, int b) {
+    uint32_t x = __float_as_uint(s), u;
+    if (isnan(s))
+        u = 0u;
+    else {
+        if ((x & 0x7fffffffu) == 0u)
+            x = 0u;
+        u = (x & 0x80000000u) ? ~x : (x | 0x80000000u);
+    }
+    return ((uint64_t)u << 32) | (uint32_t)b;
+}
+
+/* Warp 0: the digit whose bucket holds the k-th largest key of this pass;
+ * narrows prefix and k; done when that bucket holds exactly the k keys
+ * still wanted (then every key with the prefix is selected). */
+__device__ void sel_find_digit(SelShared &sh, int shift) {
+    int lane = threadIdx.x;
+    unsigned k = sh.k; /* read by every lane before any lane writes */
+    unsigned c[8], tot = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        c[i] = sh.hist[lane * 8 + i];
+        tot += c[i];
+    }
+    unsigned suf = tot; /* keys in buckets of lanes >= this lane */
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned y = __shfl_down_sync(kFull, suf, o);
+        if (lane + o < 32)
+            suf += y;
+    }
+    unsigned above = suf - tot;
+    if (above < k && k <= suf) {
+        for (int i = 7; i >= 0; i--) {
+            if (k <= above + c[i]) {
+                sh.prefix |= (unsigned long long)(lane * 8 + i) << shift;
+                sh.k = k - above;
+                sh.done = c[i] == k - above;
+                break;
+            }
+            above += c[i];
+        }
+    }
+}
+
+/* Radix select (8-bit digits, most significant first) over the keys of
+ * candidates [c0, c1): returns thr such that exactly `room` of them have
+ * key >= thr (keys are distinct: they end in the block id). */
+__device__ uint64_t sel_threshold(const float *sc, int c0, int c1, unsigned room, SelShared &sh) {
+    int lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        sh.prefix = 0;
+        sh.k = room;
+        sh.done = 0;
+    }
+    uint64_t prefix = 0, mask = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += kSelThreads)
+            sh.hist[i] = 0;
+        __syncthreads();
+        for (int base = c0; base < c1; base += kSelThreads) { /* uniform trip count */
+            int b = base + threadIdx.x;
+            bool act = false;
+            unsigned digit = 0;
+            if (b < c1) {
+                uint64_t key = sel_key(sc[b], b);
+                act = (key & mask) == prefix;
+                digit = (unsigned)(key >> shift) & 255u;
+            }
+            /* one shared atomic per distinct digit in the warp: scores
+             * cluster in a few top digits */
+            unsigned am = __ballot_sync(kFull, act);
+            if (act) {
+                unsigned peers = __match_any_sync(am, digit);
+                if (lane == __ffs(peers) - 1)
+                    atomicAdd(&sh.hist[digit], (unsigned)__popc(peers));
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 32)
+            sel_find_digit(sh, shift);
+        __syncthreads();
+        prefix = sh.prefix;
+        mask |= 0xffull << shift;
+        if (sh.done)
+            break;
+    }
+    return prefix;
+}
+
+/* out[0..room) = the candidates with key >= thr, ascending; returns how
+ * many were written (room, by construction). */
+__device__ int sel_compact(const float *sc, int c0, int c1, uint64_t thr, int room, int32_t *out,
+                           SelShared &sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, run = 0;
+    for (int base = c0; base < c1 && run < room; base += kSelThreads) {
+        int b = base + threadIdx.x;
+        bool f = b < c1 && sel_key(sc[b], b) >= thr;
+        unsigned bal = __ballot_sync(kFull, f);
+        if (lane == 0)
+            sh.wcount[warp] = __popc(bal);
+        __syncthreads();
+        int off = run, total = 0;
+        for (int w = 0; w < kSelWarps; w++) {
+            int c = sh.wcount[w];
+            off += w < warp ? c : 0;
+            total += c;
+        }
+        if (f) {
+            int pos = off + __popc(bal & ((1u << lane) - 1u));
+            if (pos < room)
+                out[pos] = b;
+        }
+        run += total;
+        __syncthreads(); /* wcount is rewritten next round */
+    }
+    return run < room ? run : room;
+}
+
+/* Grid: rows x heads, one CTA each (m3_select_row per (row, head)). */
+__global__ void __launch_bounds__(kSelThreads) select_kernel(SelectArgs a) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ SelShared sh;
+    const int item = blockIdx.x, t = item / a.heads;
+    int32_t *out = a.selected + (int64_t)item * a.topk;
+    RowView rv = load_row(a.sv, t);
+    int nb = rv.state == ROW_PADDED ? 0 : rv.nblocks;
+    if (rv.state == ROW_PADDED || nb <= a.topk) { /* all visible blocks (none if padded) */
+        for (int i = threadIdx.x; i < a.topk; i += kSelThreads)
+            out[i] = i < nb ? i : -1;
+        return;
+    }
+    /* forced: init blocks [0, init_end), local blocks [local_begin, nb) */
+    int init_end = min(a.init, nb);
+    int local_begin = max(nb - a.local, init_end);
+    int room = a.topk - init_end - (nb - local_begin); /* >= 0: init + local <= topk */
+    const float *sc = a.scores + (int64_t)item * a.sv.max_blocks;
+    if (a.staged && room > 0) {
+        float *st = reinterpret_cast<float *>(smem);
+        for (int b = init_end + threadIdx.x; b < local_begin; b += kSelThreads)
+            st[b] = sc[b];
+        __syncthreads();
+        sc = st;
+    }
+    if (room > 0) {
+        uint64_t thr = sel_threshold(sc, init_end, local_begin, (unsigned)room, sh);
+        int got = sel_compact(sc, init_end, local_begin, thr, room, out + init_end, sh);
+        for (int i = got + threadIdx.x; i < room; i += kSelThreads) /* unreachable */
+            out[init_end + i] = -1;
+    }
+    for (int i = threadIdx.x; i < init_end; i += kSelThreads)
+        out[i] = i;
+    for (int i = threadIdx.x; i < nb - local_begin; i += kSelThreads)
+        out[init_end + room + i] = local_begin + i;
+}
+
+/* ============================================================ attention */
+
+constexpr int kAttnThreads = 128; /* 4 warps; each takes 16 keys of a tile */
+constexpr int kAttnWarps = kAttnThreads / 32;
+constexpr int kAttnKeys = 64;     /* keys per tile: half a page */
+constexpr int kHeadTile = 16;     /* query heads per CTA: the MMA's M */
+
+template <int D>
+struct AttnCfg {
+    static constexpr int kRowBytes = D * 2 + 16; /* +16: conflict-free ldmatrix */
+    static constexpr int kTileBytes = kAttnKeys * kRowBytes;
+    static constexpr int kStageBytes = 2 * kTileBytes; /* K tile, then V tile */
+    static constexpr int kQOffset = 2 * kStageBytes;   /* two stages */
+    static constexpr int kSmem = kQOffset + kHeadTile * kRowBytes;
+    static constexpr int kOStride = D + 4; /* the merge's fp32 rows */
+    /* the merge reuses the stages: 4 warps x 16 rows x kOStride + m, l */
+    static_assert(kAttnWarps * kHeadTile * (kOStride + 2) * 4 <= kQOffset, "merge space");
+};
+
+struct AttnArgs {
+    StepView sv;
+    const uint16_t *q, *kc, *vc;
+    const int32_t *sel; /* NULL: dense */
+    int topk, q_heads, kv_heads, group, mtiles, splits;
+    float scale_log2; /* scale * log2(e): scores in log2 units */
+    uint16_t *out;
+    float2 *part_ml; /* [rows, q_heads, splits] (max, sum) when splits > 1 */
+    float *part_acc; /* [rows, q_heads, splits, D] */
+};
+
+/* What one CTA works on: tiles [tile0, tile0 + ntiles) of the row's list,
+ * where tiles 2u and 2u + 1 are the halves of block u (dense) or of the
+ * block in selection entry u (sparse). */
+struct AttnCta {
+    int t, g, h0, nh, split;
+    RowView rv;
+    const int32_t *sel;
+    int tile0, ntiles;
+    bool poisoned;
+};
+
+/* one online softmax per warp, for the 16 query heads of the tile: lane
+ * holds rows g = lane / 4 and g + 8 of the m16n8 accumulator layout */
+template <int D>
+struct WarpAttn {
+    float o[D / 8][4];
+    float m[2]; /* running max in log2 units, -inf before any key */
+    float l[2]; /* this lane's share of the sum of p (bf16-rounded p) */
+};
+
+/* Entries before the selection's first -1 (of topk). Every warp counts
+ * for itself with one coalesced load per 32 entries (no serial chain of
+ * dependent loads, no barrier). */
+__device__ int sel_count(const int32_t *sel, int topk) {
+    const int lane = threadIdx.x & 31;
+    for (int base = 0; base < topk; base += 32) {
+        int i = base + lane;
+        unsigned end = __ballot_sync(kFull, i < topk && sel[i] < 0);
+        if (end)
+            return base + __ffs(end) - 1;
+    }
+    return topk;
+}
+
+__device__ AttnCta attn_cta(const AttnArgs &a) {
+    AttnCta c;
+    int id = blockIdx.x;
+    c.split = id % a.splits;
+    id /= a.splits;
+    int mt = id % a.mtiles;
+    id /= a.mtiles;
+    c.g = id % a.kv_heads;
+    c.t = id / a.kv_heads;
+    c.h0 = c.g * a.group + mt * kHeadTile;
+    c.nh = min(kHeadTile, a.group - mt * kHeadTile);
+    c.rv = load_row(a.sv, c.t);
+    c.sel = nullptr;
+    c.tile0 = 0;
+    c.ntiles = 0;
+    c.poisoned = c.rv.state == ROW_BAD;
+    if (c.rv.state != ROW_OK)
+        return c;
+    int n = c.rv.nblocks;
+    if (a.sel) { /* the selection ends at its first -1 */
+        c.sel = a.sel + ((int64_t)c.t * a.kv_heads + c.g) * a.topk;
+        n = sel_count(c.sel, a.topk);
+    }
+    /* a balanced contiguous share of the row's 2n tiles */
+    int64_t n2 = 2 * (int64_t)n;
+    int64_t t0 = (int64_t)c.split * n2 / a.splits, t1 = (int64_t)(c.split + 1) * n2 / a.splits;
+    c.tile0 = (int)t0;
+    c.ntiles = (int)(t1 - t0);
+    return c;
+}
+
+/* Visible keys of tile i (> 0), none (0), or -1 for a block outside the
+ * table or an invalid page; *elem: the tile's first element in the cache. */
+template <int D>
+__device__ int attn_tile(const AttnArgs &a, const AttnCta &c, int i, int64_t *elem) {
+    int u = (c.tile0 + i) >> 1, half = (c.tile0 + i) & 1;
+    int b = c.sel ? c.sel[u] : u;
+    int64_t rem = c.rv.kv_len - ((int64_t)b * M3_PAGE + half * kAttnKeys);
+    if (rem <= 0)
+        return 0;
+    if (b >= a.sv.max_blocks)
+        return -1;
+    int64_t page = c.rv.table[b];
+    if (!page_ok(a.sv, page))
+        return -1;
+    *elem = ((page * a.kv_heads + c.g) * M3_PAGE + half * kAttnKeys) * D;
+    return rem < kAttnKeys ? (int)rem : kAttnKeys;
+}
+
+/* Issue tile i's K and V rows into a stage; rows past the visible keys
+ * are zero-filled (a masked key's p is 0, and 0 x stale NaN would not be). */
+template <int D>
+__device__ void attn_load(const AttnArgs &a, const AttnCta &c, int i, unsigned char *stage,
+                          int *s_count) {
+    using C = AttnCfg<D>;
+    constexpr int kCpr = D / 8;
+    int64_t elem = 0;
+    int count = attn_tile<D>(a, c, i, &elem);
+    if (threadIdx.x == 0)
+        *s_count = count;
+    if (count <= 0)
+        return;
+    const uint16_t *ks = a.kc + elem, *vs = a.vc + elem;
+    for (int x = threadIdx.x; x < kAttnKeys * kCpr; x += kAttnThreads) {
+        int r = x / kCpr, k = x % kCpr;
+        bool in = r < count;
+        int64_t off = in ? (int64_t)r * D + k * 8 : 0;
+        unsigned char *dst = stage + r * C::kRowBytes + k * 16;
+        cp_async16(dst, ks + off, in);
+        cp_async16(dst + C::kTileBytes, vs + off, in);
+    }
+}
+
+/* the CTA's query heads as a 16-row tile (rows past nh zero) */
+template <int D>
+__device__ void attn_load_q(const AttnArgs &a, const AttnCta &c, unsigned char *sq) {
+    constexpr int kCpr = D / 8;
+    const uint16_t *q = a.q + ((int64_t)c.t * a.q_heads + c.h0) * D;
+    for (int x = threadIdx.x; x < kHeadTile * kCpr; x += kAttnThreads) {
+        int r = x / kCpr, k = x % kCpr;
+        bool in = r < c.nh;
+        cp_async16(sq + r * AttnCfg<D>::kRowBytes + k * 16, q + (in ? (int64_t)r * D + k * 8 : 0),
+                   in);
+    }
+}
+
+/* New running max from the tile's scores; rescales o and l. ref: the
+ * subtrahend for this tile's p (the max, or 0 while every key is masked,
+ * so exp2 never sees -inf - -inf). */
+template <int D>
+__device__ __forceinline__ void attn_rescale(WarpAttn<D> &w, const float (&s)[2][4],
+                                             float (&ref)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+        float m_new = fmaxf(w.m[r], mx);
+        ref[r] = m_new == -INFINITY ? 0.0f : m_new;
+        float alpha = exp2f(w.m[r] - ref[r]); /* 0 while nothing was seen */
+        w.m[r] = m_new;
+        w.l[r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            w.o[n][2 * r] *= alpha;
+            w.o[n][2 * r + 1] *= alpha;
+        }
+    }
+}
+
+/* p = exp2(s - ref) rounded to bf16, packed as the A operand of P V (the
+ * accumulator layout of two n-tiles is the m16k16 A layout) */
+template <int D>
+__device__ __forceinline__ void attn_probs(WarpAttn<D> &w, const float (&s)[2][4],
+                                           const float (&ref)[2], uint32_t (&pa)[4]) {
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            __nv_bfloat162 p = __floats2bfloat162_rn(exp2f(s[nt][2 * r] - ref[r]),
+                                                     exp2f(s[nt][2 * r + 1] - ref[r]));
+            w.l[r] += __low2float(p) + __high2float(p);
+            pa[nt * 2 + r] = (uint32_t)__bfloat16_as_ushort(p.x) |
+                             ((uint32_t)__bfloat16_as_ushort(p.y) << 16);
+        }
+}
+
+/* One warp, 16 keys (rows of sk / sv; the first `valid` visible): S = Q K^T
+ * for 16 heads, online softmax, O += P V. */
+template <int D>
+__device__ __forceinline__ void attn_warp_tile(WarpAttn<D> &w, const unsigned char *sq,
+                                               const unsigned char *sk, const unsigned char *sv,
+                                               int valid, float scale_log2) {
+    using C = AttnCfg<D>;
+    const int lane = threadIdx.x & 31, tq = lane & 3, mi = lane >> 3, r8 = lane & 7;
+    float s[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+        uint32_t qa[4], kb[4];
+        /* A: heads 0-7 / 8-15 x dims +0 / +8; B: keys 0-7 / 8-15 x dims +0 / +8 */
+        ldsm_x4(qa, sq + (r8 + (mi & 1) * 8) * C::kRowBytes + (ks * 16 + (mi >> 1) * 8) * 2);
+        ldsm_x4(kb, sk + (r8 + (mi >> 1) * 8) * C::kRowBytes + (ks * 16 + (mi & 1) * 8) * 2);
+        mma_bf16(s[0], qa, kb[0], kb[1]);
+        mma_bf16(s[1], qa, kb[2], kb[3]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            s[nt][e] = nt * 8 + 2 * tq + (e & 1) < valid ? s[nt][e] * scale_log2 : -INFINITY;
+    float ref[2];
+    uint32_t pa[4];
+    attn_rescale<D>(w, s, ref);
+    attn_probs<D>(w, s, ref, pa);
+#pragma unroll
+    for (int dp = 0; dp < D / 16; dp++) {
+        uint32_t vb[4]; /* transposed: keys 0-7 / 8-15 x dims +0 / +8 */
+        ldsm_x4_t(vb, sv + (r8 + (mi & 1) * 8) * C::kRowBytes + (dp * 16 + (mi >> 1) * 8) * 2);
+        mma_bf16(w.o[2 * dp], pa, vb[0], vb[1]);
+        mma_bf16(w.o[2 * dp + 1], pa, vb[2], vb[3]);
+    }
+}
+
+/* Merge the four warps' softmax states (a state takes part iff its sum is
+ * not 0: NaN takes part) and write the bf16 output (one split) or the
+ * split's partial. smem: the stages, no longer in use. */
+template <int D>
+__device__ void attn_finish(const AttnArgs &a, const AttnCta &c, WarpAttn<D> &w,
+                            unsigned char *smem) {
+    using C = AttnCfg<D>;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    float *s_o = reinterpret_cast<float *>(smem);
+    float *s_m = s_o + kAttnWarps * kHeadTile * C::kOStride, *s_l = s_m + kAttnWarps * kHeadTile;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        w.l[r] += __shfl_xor_sync(kFull, w.l[r], 1);
+        w.l[r] += __shfl_xor_sync(kFull, w.l[r], 2);
+    }
+    float *o0 = s_o + (warp * kHeadTile + g) * C::kOStride, *o1 = o0 + 8 * C::kOStride;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+        o0[n * 8 + 2 * tq] = w.o[n][0];
+        o0[n * 8 + 2 * tq + 1] = w.o[n][1];
+        o1[n * 8 + 2 * tq] = w.o[n][2];
+        o1[n * 8 + 2 * tq + 1] = w.o[n][3];
+    }
+    if (tq == 0)
+        for (int r = 0; r < 2; r++) {
+            s_m[warp * kHeadTile + g + 8 * r] = w.m[r];
+            s_l[warp * kHeadTile + g + 8 * r] = w.l[r];
+        }
+    __syncthreads();
+    for (int x = threadIdx.x; x < c.nh * D; x += kAttnThreads) {
+        int r = x / D, d = x % D;
+        float M = -INFINITY, L = 0.0f, acc = 0.0f;
+        bool any = false;
+        for (int v = 0; v < kAttnWarps; v++)
+            if (s_l[v * kHeadTile + r] != 0.0f) {
+                any = true;
+                M = fmaxf(M, s_m[v * kHeadTile + r]);
+            }
+        float ref = M == -INFINITY ? 0.0f : M;
+        for (int v = 0; v < kAttnWarps; v++) {
+            float lv = s_l[v * kHeadTile + r];
+            if (lv != 0.0f) {
+                float f = exp2f(s_m[v * kHeadTile + r] - ref);
+                L += f * lv;
+                acc += f * s_o[(v * kHeadTile + r) * C::kOStride + d];
+            }
+        }
+        if (c.poisoned) {
+            any = true;
+            M = -INFINITY;
+            L = acc = qnan();
+        }
+        int64_t head = (int64_t)c.t * a.q_heads + c.h0 + r;
+        if (a.splits == 1) {
+            a.out[head * D + d] = any ? m3_to_bf(acc / L) : (uint16_t)0;
+        } else {
+            int64_t p = head * a.splits + c.split;
+            a.part_acc[p * D + d] = acc;
+            if (d == 0)
+                a.part_ml[p] = make_float2(any ? M : -INFINITY, any ? L : 0.0f);
+        }
+    }
+}
+
+/* Grid: rows x kv_heads x mtiles x splits (split fastest). */
+template <int D>
+__global__ void __launch_bounds__(kAttnThreads) attn_kernel(AttnArgs a) {
+    using C = AttnCfg<D>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int s_count[2];
+    AttnCta c = attn_cta(a);
+    if (c.rv.state == ROW_PADDED) { /* zeros; with splits the combine writes them */
+        if (a.splits == 1)
+            for (int x = threadIdx.x; x < c.nh * D; x += kAttnThreads)
+                a.out[((int64_t)c.t * a.q_heads + c.h0 + x / D) * D + x % D] = 0;
+        return;
+    }
+    unsigned char *sq = smem + C::kQOffset;
+    const int warp = threadIdx.x >> 5;
+    WarpAttn<D> w;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            w.o[n][e] = 0.0f;
+    w.m[0] = w.m[1] = -INFINITY;
+    w.l[0] = w.l[1] = 0.0f;
+    if (c.ntiles > 0) {
+        attn_load_q<D>(a, c, sq);
+        attn_load<D>(a, c, 0, smem, &s_count[0]);
+    }
+    cp_async_commit();
+    for (int i = 0; i < c.ntiles; i++) {
+        if (i + 1 < c.ntiles)
+            attn_load<D>(a, c, i + 1, smem + ((i + 1) & 1) * C::kStageBytes, &s_count[(i + 1) & 1]);
+        cp_async_commit();
+        cp_async_wait<1>(); /* tile i (and the Q tile) have landed */
+        __syncthreads();
+        int count = s_count[i & 1];
+        if (count < 0)
+            c.poisoned = true;
+        const unsigned char *st = smem + (i & 1) * C::kStageBytes + warp * 16 * C::kRowBytes;
+        if (count > warp * 16) /* warp-uniform: this warp has visible keys */
+            attn_warp_tile<D>(w, sq, st, st + C::kTileBytes, count - warp * 16, a.scale_log2);
+        __syncthreads(); /* the stage is refilled next iteration */
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    attn_finish<D>(a, c, w, smem);
+}
+
+struct CombineArgs {
+    const int64_t *slots;
+    int rows, q_heads, dim, splits;
+    const float2 *part_ml;
+    const float *part_acc;
+    uint16_t *out;
+};
+
+constexpr int kCombThreads = 128;
+
+/* max over the CTA (every thread gets it); red: kCombThreads / 32 floats */
+__device__ float comb_block_max(float v, float *red) {
+    v = m3_warp_max(v);
+    if ((threadIdx.x & 31) == 0)
+        red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[0];
+    for (int w = 1; w < kCombThreads / 32; w++)
+        v = fmaxf(v, red[w]);
+    return v;
+}
+
+/* One CTA per (row, query head): merges the splits that saw keys (sum not
+ * 0, NaN included; empty splits contribute nothing and their unwritten
+ * accumulators are never used), writes bf16; padded rows and rows without
+ * keys get zeros. Threads are (split group, 4 dims): the loads of a split
+ * group do not depend on each other, so they are all in flight at once. */
+__global__ void __launch_bounds__(kCombThreads) attn_combine_kernel(CombineArgs a) {
+    __shared__ float s_red[kCombThreads / 32];
+    __shared__ float s_part[kCombThreads * 4]; /* [groups][dim] */
+    __shared__ float s_l[kCombThreads];        /* [groups] */
+    const int64_t item = blockIdx.x;
+    const int t = (int)(item / a.q_heads), D = a.dim;
+    uint16_t *out = a.out + item * D;
+    const float2 *ml = a.part_ml + item * a.splits;
+    const float *acc = a.part_acc + item * a.splits * D;
+    float M = -INFINITY;
+    int any = 0;
+    if (a.slots[t] >= 0)
+        for (int s = threadIdx.x; s < a.splits; s += kCombThreads) {
+            float2 v = ml[s];
+            if (v.y != 0.0f) {
+                any = 1;
+                M = fmaxf(M, v.x);
+            }
+        }
+    any = __syncthreads_or(any);
+    M = comb_block_max(M, s_red);
+    const int quads = D / 4, groups = kCombThreads / quads;
+    const int grp = threadIdx.x / quads, qd = threadIdx.x % quads;
+    const float ref = M == -INFINITY ? 0.0f : M;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float L = 0.0f;
+    if (any && grp < groups) {
+#pragma unroll 4
+        for (int s = grp; s < a.splits; s += groups) {
+            float2 v = ml[s];
+            float4 x = *reinterpret_cast<const float4 *>(acc + (int64_t)s * D + qd * 4);
+            if (v.y != 0.0f) {
+                float f = exp2f(v.x - ref);
+                L += f * v.y;
+                o.x += f * x.x;
+                o.y += f * x.y;
+                o.z += f * x.z;
+                o.w += f * x.w;
+            }
+        }
+        float *p = s_part + grp * D + qd * 4;
+        p[0] = o.x;
+        p[1] = o.y;
+        p[2] = o.z;
+        p[3] = o.w;
+        if (qd == 0)
+            s_l[grp] = L;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += kCombThreads) {
+        uint16_t r = 0;
+        if (any) {
+            float sum = 0.0f, lsum = 0.0f;
+            for (int g = 0; g < groups; g++) {
+                sum += s_part[g * D + d];
+                lsum += s_l[g];
+            }
+            r = m3_to_bf(sum / lsum);
+        }
+        out[d] = r;
+    }
+}
+
+/* Split policy: at most one wave of CTAs (a partial second wave would
+ * double the time). splits = floor(SMs x CTAs per SM / (rows x kv_heads x
+ * head tiles)), at least 1, at most the capacity in tiles (dense: 2 x
+ * max_blocks, sparse: 2 x topk), so it depends on capacities only. */
+static int attn_splits(const m3_cuda *cu, int per_sm, int64_t base, int64_t units) {
+    int64_t target = (int64_t)(cu->sm_count > 0 ? cu->sm_count : 1) * per_sm;
+    int64_t s = target / base;
+    if (s > units)
+        s = units;
+    return s < 1 ? 1 : (int)s;
+}
+
+template <int D>
+static m3_status attn_run(m3_cuda *cu, AttnArgs a, int rows, bool sparse, int max_blocks) {
+    const int smem = AttnCfg<D>::kSmem;
+    M3_CUDA_TRY(cudaFuncSetAttribute(attn_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     smem));
+    int per_sm = ctas_per_sm(attn_kernel<D>, kAttnThreads, smem);
+    int64_t base = (int64_t)rows * a.kv_heads * a.mtiles;
+    a.splits = attn_splits(cu, per_sm, base, 2 * (int64_t)(sparse ? a.topk : max_blocks));
+    int64_t grid = base * a.splits, items = (int64_t)rows * a.q_heads;
+    if (grid > INT32_MAX || items > INT32_MAX)
+        return m3_fail(M3_ERR_UNSUPPORTED, "attention: %d rows x %d heads is too many", rows,
+                       a.q_heads);
+    if (a.splits > 1) {
+        size_t ml_bytes = ((size_t)items * a.splits * sizeof(float2) + 255) / 256 * 256;
+        size_t acc_bytes = (size_t)items * a.splits * D * sizeof(float);
+        void *ws = NULL;
+        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_ATTENTION, ml_bytes + acc_bytes, &ws));
+        a.part_ml = reinterpret_cast<float2 *>(ws);
+        a.part_acc = reinterpret_cast<float *>(static_cast<char *>(ws) + ml_bytes);
+    }
+    attn_kernel<D><<<(unsigned)grid, kAttnThreads, smem, cu->stream>>>(a);
+    M3_CUDA_LAUNCHED("attention");
+    if (a.splits > 1) {
+        CombineArgs cb = {a.sv.slots, rows, a.q_heads, D, a.splits, a.part_ml, a.part_acc, a.out};
+        attn_combine_kernel<<<(unsigned)items, kCombThreads, 0, cu->stream>>>(cb);
+        M3_CUDA_LAUNCHED("attention combine");
+    }
+    return M3_OK;
+}
+
+} // namespace
+
+
+/* ============================================================ entry points */
+
+extern "C" m3_status m3_cuda_index_scores(m3_backend *be, const m3_step *step, int heads, int dim,
+                                          const uint16_t *iq, const uint16_t *icache, float scale,
+                                          float *scores) {
+    m3_cuda *cu = m3_cuda_of(be);
+    M3_TRY(check_step(step, "index_scores"));
+    if (heads <= 0)
+        return m3_fail(M3_ERR_INVALID_ARG, "index_scores: %d heads", heads);
+    if (dim <= 0 || dim % 8 != 0 || dim > 256)
+        return m3_fail(M3_ERR_UNSUPPORTED,
+                       "index_scores: index dim %d is not a multiple of 8 in [8, 256]", dim);
+    if (step->rows == 0 || step->max_blocks == 0)
+        return M3_OK;
+    if (!iq || !icache || !scores)
+        return m3_fail(M3_ERR_INVALID_ARG, "index_scores: NULL tensor");
+    if (!aligned16(iq) || !aligned16(icache))
+        return m3_fail(M3_ERR_INVALID_ARG, "index_scores: queries / cache not 16-byte aligned");
+    size_t smem = idx_smem(heads, dim);
+    if (smem > (size_t)kSmemPerBlockMax)
+        return m3_fail(M3_ERR_UNSUPPORTED, "index_scores: %d heads x %d dims is too wide", heads,
+                       dim);
+    M3_CUDA_TRY(cudaFuncSetAttribute(index_scores_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    /* at most one wave: G CTAs per row, each a strided share of the row's blocks */
+    int per_sm = ctas_per_sm(index_scores_kernel, kIdxThreads, smem);
+    int64_t target = (int64_t)(cu->sm_count > 0 ? cu->sm_count : 1) * per_sm;
+    int64_t G = target / step->rows; /* floor: a partial second wave doubles the time */
+    if (G > step->max_blocks)
+        G = step->max_blocks;
+    if (G < 1)
+        G = 1;
+    if ((int64_t)step->rows * G > INT32_MAX)
+        return m3_fail(M3_ERR_UNSUPPORTED, "index_scores: %d rows is too many", step->rows);
+    IndexArgs a = {step_view(step), heads, dim, (int)G, iq, icache, scale, scores};
+    index_scores_kernel<<<(unsigned)(step->rows * G), kIdxThreads, smem, cu->stream>>>(a);
+    M3_CUDA_LAUNCHED("index_scores");
+    return M3_OK;
+}
+
+extern "C" m3_status m3_cuda_select_blocks(m3_backend *be, const m3_step *step, int heads,
+                                           const float *scores, const m3_select_params *p,
+                                           int32_t *selected) {
+    m3_cuda *cu = m3_cuda_of(be);
+    M3_TRY(check_step(step, "select_blocks"));
+    if (!p || heads <= 0)
+        return m3_fail(M3_ERR_INVALID_ARG, "select_blocks: bad parameters");
+    if (p->topk < 1 || p->init_blocks < 0 || p->local_blocks < 0 ||
+        (int64_t)p->init_blocks + p->local_blocks > p->topk)
+        return m3_fail(M3_ERR_INVALID_ARG,
+                       "select_blocks: top-%d with %d init and %d local blocks (forced blocks "
+                       "must fit in the top-k)",
+                       p->topk, p->init_blocks, p->local_blocks);
+    if (step->rows == 0)
+        return M3_OK;
+    if (!selected || (!scores && step->max_blocks > 0))
+        return m3_fail(M3_ERR_INVALID_ARG, "select_blocks: NULL tensor");
+    int64_t grid = (int64_t)step->rows * heads;
+    if (grid > INT32_MAX)
+        return m3_fail(M3_ERR_UNSUPPORTED, "select_blocks: %d rows x %d heads is too many",
+                       step->rows, heads);
+    size_t stage_bytes = (size_t)step->max_blocks * sizeof(float);
+    bool staged = stage_bytes <= kSelStageMax;
+    size_t smem = staged ? stage_bytes : 0;
+    M3_CUDA_TRY(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)smem));
+    SelectArgs a = {step_view(step), heads,  p->topk, p->init_blocks, p->local_blocks,
+                    staged,          scores, selected};
+    select_kernel<<<(unsigned)grid, kSelThreads, smem, cu->stream>>>(a);
+    M3_CUDA_LAUNCHED("select_blocks");
+    return M3_OK;
+}
+
+extern "C" m3_status m3_cuda_attention(m3_backend *be, const m3_step *step, int q_heads,
+                                       int kv_heads, int dim, const uint16_t *q,
+                                       const uint16_t *kcache, const uint16_t *vcache,
+                                       const int32_t *selected, int topk, float scale,
+                                       uint16_t *out) {
+    m3_cuda *cu = m3_cuda_of(be);
+    M3_TRY(check_step(step, "attention"));
+    if (q_heads <= 0 || kv_heads <= 0 || q_heads % kv_heads != 0)
+        return m3_fail(M3_ERR_INVALID_ARG, "attention: %d query heads over %d KV heads", q_heads,
+                       kv_heads);
+    if (dim < 32 || dim > 256 || dim % 32 != 0)
+        return m3_fail(M3_ERR_UNSUPPORTED,
+                       "attention: head dim %d is not supported (multiples of 32 up to 256)", dim);
+    if (selected && topk < 1)
+        return m3_fail(M3_ERR_INVALID_ARG, "attention: sparse with top-%d", topk);
+    if (step->rows == 0)
+        return M3_OK;
+    if (!q || !kcache || !vcache || !out)
+        return m3_fail(M3_ERR_INVALID_ARG, "attention: NULL tensor");
+    if (!aligned16(q) || !aligned16(kcache) || !aligned16(vcache))
+        return m3_fail(M3_ERR_INVALID_ARG, "attention: q / K / V not 16-byte aligned");
+    AttnArgs a;
+    a.sv = step_view(step);
+    a.q = q;
+    a.kc = kcache;
+    a.vc = vcache;
+    a.sel = selected;
+    a.topk = selected ? topk : 0;
+    a.q_heads = q_heads;
+    a.kv_heads = kv_heads;
+    a.group = q_heads / kv_heads;
+    a.mtiles = (a.group + kHeadTile - 1) / kHeadTile;
+    a.splits = 1;
+    a.scale_log2 = (float)((double)scale * 1.4426950408889634);
+    a.out = out;
+    a.part_ml = NULL;
+    a.part_acc = NULL;
+    bool sparse = selected != NULL;
+    int rows = step->rows, mb = step->max_blocks;
+    switch (dim) {
+    case 32: return attn_run<32>(cu, a, rows, sparse, mb);
+    case 64: return attn_run<64>(cu, a, rows, sparse, mb);
+    case 96: return attn_run<96>(cu, a, rows, sparse, mb);
+    case 128: return attn_run<128>(cu, a, rows, sparse, mb);
+    case 160: return attn_run<160>(cu, a, rows, sparse, mb);
+    case 192: return attn_run<192>(cu, a, rows, sparse, mb);
+    case 224: return attn_run<224>(cu, a, rows, sparse, mb);
+    default: return attn_run<256>(cu, a, rows, sparse, mb);
+    }
+}

@@ -1,0 +1,125 @@
+/*
+ * The CUDA side of the benchmark instruments (see cuda_bench.h).
+ */
+#include <algorithm>
+#include <vector>
+
+#include "cuda/cuda_common.cuh"
+#include "cuda/cuda_internal.h"
+
+extern "C" {
+#include "cuda/cuda_bench.h"
+}
+
+/* Each thread reads 16-byte words strided over the grid; the xor keeps the
+ * loads live, and one word per CTA is written so nothing is optimised out. */
+__global__ void read_bw_kernel(const uint4 *__restrict__ src, size_t n, uint32_t *__restrict__ sink) {
+    uint32_t acc = 0;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint4 v = __ldcs(src + i); /* streaming: do not keep in L2 */
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    acc = __reduce_xor_sync(0xffffffffu, acc);
+    if ((threadIdx.x & 31) == 0 && acc == 0x12345678u)
+        sink[blockIdx.x] = acc;
+}
+
+extern "C" m3_status m3_cuda_read_bandwidth(m3_backend *be, size_t bytes, int iters,
+                                            double *gb_per_s) {
+    m3_cuda *cu = m3_cuda_of(be);
+    void *buf = NULL, *sink = NULL;
+    M3_CUDA_TRY(cudaMalloc(&buf, bytes));
+    cudaError_t err = cudaMalloc(&sink, 1 << 20);
+    cudaEvent_t a = NULL, b = NULL;
+    if (err == cudaSuccess)
+        err = cudaMemsetAsync(buf, 0x5a, bytes, cu->stream);
+    if (err == cudaSuccess)
+        err = cudaEventCreate(&a);
+    if (err == cudaSuccess)
+        err = cudaEventCreate(&b);
+    std::vector<float> ms;
+    unsigned grid = (unsigned)cu->sm_count * 8;
+    for (int i = 0; err == cudaSuccess && i < iters + 2; i++) {
+        cudaEventRecord(a, cu->stream);
+        read_bw_kernel<<<grid, 512, 0, cu->stream>>>((const uint4 *)buf, bytes / 16,
+                                                    (uint32_t *)sink);
+        cudaEventRecord(b, cu->stream);
+        err = cudaEventSynchronize(b);
+        float t = 0;
+        if (err == cudaSuccess)
+            err = cudaEventElapsedTime(&t, a, b);
+        if (i >= 2) /* two warm-ups */
+            ms.push_back(t);
+    }
+    if (a)
+        cudaEventDestroy(a);
+    if (b)
+        cudaEventDestroy(b);
+    cudaFree(buf);
+    if (sink)
+        cudaFree(sink);
+    if (err != cudaSuccess)
+        return m3_cuda_error(err, "read bandwidth", __FILE__, __LINE__);
+    std::sort(ms.begin(), ms.end());
+    *gb_per_s = (double)bytes / (ms[ms.size() / 2] * 1e-3) / 1e9;
+    return M3_OK;
+}
+
+extern "C" m3_status m3_cuda_timed_launch(m3_backend *be, void *graph, double *us) {
+    m3_cuda *cu = m3_cuda_of(be);
+    cudaEvent_t a, b;
+    M3_CUDA_TRY(cudaEventCreate(&a));
+    cudaError_t err = cudaEventCreate(&b);
+    float ms = 0;
+    if (err == cudaSuccess)
+        err = cudaEventRecord(a, cu->stream);
+    if (err == cudaSuccess)
+        err = cudaGraphLaunch((cudaGraphExec_t)graph, cu->stream);
+    if (err == cudaSuccess)
+        err = cudaEventRecord(b, cu->stream);
+    if (err == cudaSuccess)
+        err = cudaEventSynchronize(b);
+    if (err == cudaSuccess)
+        err = cudaEventElapsedTime(&ms, a, b);
+    cudaEventDestroy(a);
+    if (b)
+        cudaEventDestroy(b);
+    if (err != cudaSuccess)
+        return m3_cuda_error(err, "timed graph launch", __FILE__, __LINE__);
+    *us = ms * 1e3;
+    return M3_OK;
+}
+
+__global__ void fill_random_kernel(uint16_t *dst, size_t n, uint64_t seed, float scale) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t x = seed ^ (i * 0x9e3779b97f4a7c15ull);
+        x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+        x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+        x ^= x >> 31;
+        float u = (float)(x >> 40) * (1.0f / 16777216.0f); /* [0, 1) */
+        dst[i] = m3_to_bf((2.0f * u - 1.0f) * scale);
+    }
+}
+
+extern "C" m3_status m3_cuda_fill_random_bf16(m3_backend *be, void *dst, size_t n, uint64_t seed,
+                                              float scale) {
+    m3_cuda *cu = m3_cuda_of(be);
+    fill_random_kernel<<<(unsigned)cu->sm_count * 16, 256, 0, cu->stream>>>((uint16_t *)dst, n,
+                                                                            seed, scale);
+    M3_CUDA_LAUNCHED("fill_random_kernel");
+    return M3_OK;
+}
+
+extern "C" m3_status m3_cuda_moe_unique_experts(m3_backend *be, int *n) {
+    m3_cuda *cu = m3_cuda_of(be);
+    *n = 0;
+    if (!cu->moe_n_uniq)
+        return m3_fail(M3_ERR_INVALID_ARG, "no MoE op has run on this backend");
+    int32_t v = 0;
+    M3_CUDA_TRY(cudaMemcpyAsync(&v, cu->moe_n_uniq, sizeof v, cudaMemcpyDeviceToHost, cu->stream));
+    M3_CUDA_TRY(cudaStreamSynchronize(cu->stream));
+    *n = v;
+    return M3_OK;
+}

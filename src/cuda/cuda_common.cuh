@@ -1,0 +1,97 @@
+/*
+ * Device-side helpers shared by the CUDA kernels: bf16 conversions with the
+ * rounding the SPEC uses (round to nearest even, NaN kept), warp and block
+ * reductions, and the constants of the paged cache layout. Kernels compute
+ * in fp32 (accumulation order is theirs; the CPU backend is the reference
+ * and tests compare with a tolerance), except where a selection must match
+ * the CPU exactly (index scores accumulate in fp64 there).
+ */
+#ifndef M3_CUDA_CUDA_COMMON_CUH
+#define M3_CUDA_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#define M3_PAGE 128 /* tokens per page = sparse block */
+
+__device__ __forceinline__ float m3_bf(uint16_t h) {
+    return __uint_as_float((uint32_t)h << 16);
+}
+
+/* fp32 -> bf16 bits, round to nearest even; NaN stays a quiet NaN (the
+ * same bits as the CPU backend's m3_f32_to_bf16). */
+__device__ __forceinline__ uint16_t m3_to_bf(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float m3_round_bf(float f) { return m3_bf(m3_to_bf(f)); }
+
+/* e4m3 (fn) -> fp32 */
+__device__ __forceinline__ float m3_e4m3(uint8_t b) {
+    int sign = b >> 7, exp = (b >> 3) & 0xf, man = b & 7;
+    float v;
+    if (exp == 0xf && man == 7)
+        return __int_as_float(0x7fc00000);
+    if (exp == 0)
+        v = ldexpf((float)man, -9);
+    else
+        v = ldexpf(1.0f + (float)man * 0.125f, exp - 7);
+    return sign ? -v : v;
+}
+
+/* 2^(s-127); 255 is NaN */
+__device__ __forceinline__ float m3_e8m0(uint8_t s) {
+    if (s == 255)
+        return __int_as_float(0x7fc00000);
+    return ldexpf(1.0f, (int)s - 127);
+}
+
+__device__ __forceinline__ float m3_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float m3_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ double m3_warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024); every
+ * thread gets the result. scratch: 32 floats of shared memory. */
+__device__ __forceinline__ float m3_block_sum(float v, float *scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = m3_warp_sum(v);
+    __syncthreads(); /* scratch may still be read by a previous call */
+    if (lane == 0)
+        scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : 0.0f;
+    return m3_warp_sum(v);
+}
+
+/* 1 / (1 + exp(-x)) in fp32 */
+__device__ __forceinline__ float m3_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* SwiGLU-OAI: g = min(gate, limit), u = clamp(up, +-limit), g sig(alpha g) (u+1);
+ * comparisons (not fminf) so a NaN input stays NaN */
+__device__ __forceinline__ float m3_swiglu_oai(float gate, float up, float alpha, float limit) {
+    float g = gate > limit ? limit : gate;
+    float u = up > limit ? limit : (up < -limit ? -limit : up);
+    return g * m3_sigmoid(alpha * g) * (u + 1.0f);
+}
+
+#endif

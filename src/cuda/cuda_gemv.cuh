@@ -1,0 +1,186 @@
+/*
+ * The decode matrix-vector product: out[t, n] = sum_k x[t, k] w[n, k] for a
+ * handful of rows (T <= 16). Decode is memory-bound, so the kernel is built
+ * to stream each weight byte from HBM exactly once with many 16-byte loads
+ * in flight: every warp owns GEMV_R output rows and walks K with 8 elements
+ * per lane per load, GEMV_U loads deep; the T activation rows are staged in
+ * shared memory a chunk of K at a time and shared by all warps of the CTA.
+ * Weights are bf16 or MXFP8 (e4m3 + one power-of-two scale per 32 columns).
+ *
+ * The same core serves the dense linear op (cuda_linear.cu) and the MoE
+ * experts (cuda_moe.cu), whose rows are gathered through a member list and
+ * whose weights are picked by expert id on the device, so a CUDA graph
+ * replays them without knowing the routing in advance.
+ */
+#ifndef M3_CUDA_CUDA_GEMV_CUH
+#define M3_CUDA_CUDA_GEMV_CUH
+
+#include <cuda_fp8.h>
+
+#include "cuda/cuda_common.cuh"
+
+#define GEMV_WARPS 8
+#define GEMV_THREADS (GEMV_WARPS * 32)
+#define GEMV_R 2      /* output rows per warp */
+#define GEMV_KC 1024  /* K elements staged in shared memory per chunk */
+#define GEMV_U (GEMV_KC / 256) /* 16-byte loads per lane per chunk and row */
+#define GEMV_MAX_T 16
+
+/* A weight matrix [N, K] on the device: bf16, or e4m3 + u8 scales. */
+struct gemv_weight {
+    const uint8_t *w;      /* row n at w + n * w_row */
+    int64_t w_row;         /* bytes */
+    const uint8_t *s;      /* MXFP8 scales [N, K/32]; NULL for bf16 */
+    int64_t s_row;         /* bytes */
+};
+
+__device__ __forceinline__ void bf16x8_to_f32(uint4 v, float f[8]) {
+    f[0] = __uint_as_float(v.x << 16);
+    f[1] = __uint_as_float(v.x & 0xffff0000u);
+    f[2] = __uint_as_float(v.y << 16);
+    f[3] = __uint_as_float(v.y & 0xffff0000u);
+    f[4] = __uint_as_float(v.z << 16);
+    f[5] = __uint_as_float(v.z & 0xffff0000u);
+    f[6] = __uint_as_float(v.w << 16);
+    f[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+
+__device__ __forceinline__ void e4m3x8_to_f32(uint2 v, float scale, float f[8]) {
+    const uint32_t words[2] = {v.x, v.y};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)(words[i] >> (16 * j));
+            __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+            float2 p = __half22float2(*reinterpret_cast<__half2 *>(&h));
+            f[i * 4 + j * 2] = p.x * scale;
+            f[i * 4 + j * 2 + 1] = p.y * scale;
+        }
+    }
+}
+
+/* Stage rows [0, T) of x's chunk [kc, kc + kn) into xs [T][GEMV_KC]; rows
+ * at or past `rows` and columns past kn are zero. row_ptr(t) gives row t's
+ * start (bf16, 16-byte aligned, K % 8 == 0). */
+template <int T, typename RowPtr>
+__device__ __forceinline__ void gemv_stage_x(uint16_t *xs, RowPtr row_ptr, int rows, int kc,
+                                             int kn) {
+    for (int i = threadIdx.x; i < T * (GEMV_KC / 8); i += blockDim.x) {
+        int t = i / (GEMV_KC / 8), c = (i % (GEMV_KC / 8)) * 8;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (t < rows && c < kn)
+            v = *reinterpret_cast<const uint4 *>(row_ptr(t) + kc + c);
+        *reinterpret_cast<uint4 *>(xs + t * GEMV_KC + c) = v;
+    }
+}
+
+/* The bf16 half of gemv_chunk. */
+template <int T>
+__device__ __forceinline__ void gemv_chunk_bf16(float (&acc)[GEMV_R][T], const gemv_weight &W,
+                                                int64_t n0, int64_t N, int kc, int kn,
+                                                const uint16_t *xs, int lane) {
+    uint4 wv[GEMV_R][GEMV_U];
+#pragma unroll
+    for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+        for (int u = 0; u < GEMV_U; u++) {
+            int k = lane * 8 + u * 256;
+            bool ok = n0 + r < N && k < kn;
+            const uint8_t *row = W.w + (n0 + r) * W.w_row + (int64_t)(kc + k) * 2;
+            wv[r][u] = ok ? __ldg(reinterpret_cast<const uint4 *>(row)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+    for (int u = 0; u < GEMV_U; u++) {
+        int k = lane * 8 + u * 256;
+        if (k >= kn)
+            continue;
+        float wf[GEMV_R][8];
+#pragma unroll
+        for (int r = 0; r < GEMV_R; r++)
+            bf16x8_to_f32(wv[r][u], wf[r]);
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            float xf[8];
+            bf16x8_to_f32(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
+#pragma unroll
+            for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    acc[r][t] += wf[r][j] * xf[j];
+        }
+    }
+}
+
+/* acc[r][t] += w[n0 + r, kc + k] x[t, k] over this lane's k of the chunk. */
+template <int T, bool FP8>
+__device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_weight &W,
+                                           int64_t n0, int64_t N, int kc, int kn,
+                                           const uint16_t *xs, int lane) {
+    if constexpr (FP8) {
+        uint2 wv[GEMV_R][GEMV_U];
+        float sc[GEMV_R][GEMV_U];
+#pragma unroll
+        for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+            for (int u = 0; u < GEMV_U; u++) {
+                int k = lane * 8 + u * 256;
+                bool ok = n0 + r < N && k < kn;
+                const uint8_t *row = W.w + (n0 + r) * W.w_row + kc + k;
+                wv[r][u] = ok ? __ldg(reinterpret_cast<const uint2 *>(row)) : make_uint2(0, 0);
+                sc[r][u] = ok ? m3_e8m0(W.s[(n0 + r) * W.s_row + (kc + k) / 32]) : 0.0f;
+            }
+#pragma unroll
+        for (int u = 0; u < GEMV_U; u++) {
+            int k = lane * 8 + u * 256;
+            if (k >= kn)
+                continue;
+            float wf[GEMV_R][8];
+#pragma unroll
+            for (int r = 0; r < GEMV_R; r++)
+                e4m3x8_to_f32(wv[r][u], sc[r][u], wf[r]);
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                float xf[8];
+                bf16x8_to_f32(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
+#pragma unroll
+                for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        acc[r][t] += wf[r][j] * xf[j];
+            }
+        }
+    } else {
+        gemv_chunk_bf16<T>(acc, W, n0, N, kc, kn, xs, lane);
+    }
+}
+
+/* The full K loop for one warp's rows; x rows via row_ptr; returns the sums
+ * reduced over the warp (valid in every lane). Every thread of the CTA must
+ * call it (it synchronises the CTA). */
+template <int T, bool FP8, typename RowPtr>
+__device__ __forceinline__ void gemv_rows(float (&acc)[GEMV_R][T], const gemv_weight &W,
+                                          int64_t n0, int64_t N, int K, RowPtr row_ptr, int rows,
+                                          uint16_t *xs) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+        for (int t = 0; t < T; t++)
+            acc[r][t] = 0.0f;
+    for (int kc = 0; kc < K; kc += GEMV_KC) {
+        int kn = K - kc < GEMV_KC ? K - kc : GEMV_KC;
+        __syncthreads(); /* the previous chunk is consumed */
+        gemv_stage_x<T>(xs, row_ptr, rows, kc, kn);
+        __syncthreads();
+        if (n0 < N)
+            gemv_chunk<T, FP8>(acc, W, n0, N, kc, kn, xs, lane);
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+        for (int t = 0; t < T; t++)
+            acc[r][t] = m3_warp_sum(acc[r][t]);
+}
+
+#endif

@@ -1,0 +1,133 @@
+/*
+ * The CUDA backend's insides, shared by its .cu files: the backend state
+ * (device, stream, cuBLAS handle, a grow-only workspace), error checking
+ * that turns CUDA failures into m3_status with a message, and the op entry
+ * points each .cu file provides. Every op has the contract of the same op
+ * in backend/backend.h and is checked against the CPU backend by
+ * tests/gpu/test_cuda_ops.c.
+ *
+ * Rules every op follows, so whole decode steps can be captured into CUDA
+ * graphs: launch on cu->stream only; never synchronize, allocate device
+ * memory or copy to the host inside an op (scratch comes from
+ * m3_cuda_workspace, which refuses to grow while capturing); read step
+ * metadata from step->dev (device memory) only, never step->host; size
+ * grids by capacities that do not change between steps (step->max_blocks,
+ * rows) and let blocks past a row's real work return at once.
+ */
+#ifndef M3_CUDA_CUDA_INTERNAL_H
+#define M3_CUDA_CUDA_INTERNAL_H
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* the library's C headers, with C linkage for the .cu files that use them */
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "backend/backend.h"
+#include "core/progress.h"
+#include "core/status.h"
+
+#define M3_CUDA_WORKSPACES 8
+
+enum m3_cuda_workspace_slot {
+    M3_CUDA_WS_ATTENTION = 0, /* split-K partials of attention */
+    M3_CUDA_WS_MOE,           /* router logits, routing, expert activations */
+    M3_CUDA_WS_LINEAR,        /* dequantised MXFP8 weights for large row counts */
+    M3_CUDA_WS_SAMPLE,        /* sampling partials */
+    M3_CUDA_WS_MISC,
+};
+
+typedef struct m3_cuda {
+    int device;
+    int sm_count;
+    size_t l2_bytes;
+    cudaStream_t stream;
+    cublasHandle_t cublas;
+    void *cublas_workspace;
+    bool capturing;           /* a graph capture is in progress on stream */
+    void *ws[M3_CUDA_WORKSPACES];
+    size_t ws_bytes[M3_CUDA_WORKSPACES];
+    void *weights_block;      /* every weight, one allocation */
+    const int32_t *moe_n_uniq;/* device: distinct experts of the last MoE op (bench) */
+    /* outgrown workspaces: graphs captured earlier may still point at them,
+     * so they live until the backend is destroyed */
+    void **retired;
+    int n_retired, cap_retired;
+} m3_cuda;
+
+static inline m3_cuda *m3_cuda_of(m3_backend *be) { return (m3_cuda *)be->impl; }
+
+/* A CUDA error as an m3_status naming the call and the CUDA message. */
+m3_status m3_cuda_error(cudaError_t err, const char *what, const char *file, int line);
+#define M3_CUDA_TRY(call)                                                         \
+    do {                                                                          \
+        cudaError_t m3_cuda_e_ = (call);                                          \
+        if (m3_cuda_e_ != cudaSuccess)                                            \
+            return m3_cuda_error(m3_cuda_e_, #call, __FILE__, __LINE__);          \
+    } while (0)
+/* After a launch: the launch's own error (bad configuration, ...), naming
+ * the kernel. */
+#define M3_CUDA_LAUNCHED(what)                                                    \
+    do {                                                                          \
+        cudaError_t m3_cuda_e_ = cudaGetLastError();                              \
+        if (m3_cuda_e_ != cudaSuccess)                                            \
+            return m3_cuda_error(m3_cuda_e_, (what), __FILE__, __LINE__);         \
+    } while (0)
+
+/* Scratch buffer `slot` of at least bytes (256-byte aligned). Grows outside
+ * capture; while capturing a growth is an error (a warm-up step must have
+ * sized it). */
+m3_status m3_cuda_workspace(m3_cuda *cu, int slot, size_t bytes, void **out);
+
+/* ---- ops (see backend.h for each contract) ---- */
+/* cuda_elementwise.cu */
+m3_status m3_cuda_embed(m3_backend *be, int rows, const int32_t *tokens, const m3_tensor *table,
+                        uint16_t *out);
+m3_status m3_cuda_gather_rows(m3_backend *be, int n, const int32_t *idx, int dim,
+                              const uint16_t *src, uint16_t *dst);
+m3_status m3_cuda_add_rmsnorm(m3_backend *be, int rows, int dim, const uint16_t *add,
+                              uint16_t *residual, const m3_tensor *w, float eps, uint16_t *out);
+m3_status m3_cuda_head_norm_rope(m3_backend *be, int rows, int heads, int dim, uint16_t *x,
+                                 int64_t row_stride, const m3_tensor *w, float eps,
+                                 const int64_t *positions, const m3_rope *rope);
+m3_status m3_cuda_cache_write(m3_backend *be, int rows, const int64_t *slots, int heads, int dim,
+                              const uint16_t *src, int64_t src_stride, uint16_t *cache);
+m3_status m3_cuda_swiglu(m3_backend *be, int64_t n, const uint16_t *gate, const uint16_t *up,
+                         const m3_swiglu *act, uint16_t *out);
+/* cuda_attention.cu */
+m3_status m3_cuda_index_scores(m3_backend *be, const m3_step *step, int heads, int dim,
+                               const uint16_t *iq, const uint16_t *icache, float scale,
+                               float *scores);
+m3_status m3_cuda_select_blocks(m3_backend *be, const m3_step *step, int heads,
+                                const float *scores, const m3_select_params *p,
+                                int32_t *selected);
+m3_status m3_cuda_attention(m3_backend *be, const m3_step *step, int q_heads, int kv_heads,
+                            int dim, const uint16_t *q, const uint16_t *kcache,
+                            const uint16_t *vcache, const int32_t *selected, int topk,
+                            float scale, uint16_t *out);
+/* cuda_linear.cu */
+m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x, const m3_linear *w,
+                         m3_dtype out_dtype, void *out);
+/* fp32 weights [N, K] (the router): out [rows, N] fp32 */
+m3_status m3_cuda_linear_f32w(m3_cuda *cu, int rows, const uint16_t *x, const float *w,
+                              int64_t n, int64_t k, float *out);
+/* cuda_moe.cu */
+m3_status m3_cuda_moe(m3_backend *be, int rows, const uint16_t *x, const m3_layer_weights *lw,
+                      const m3_moe_params *p, uint16_t *out);
+/* cuda_sample.cu: tokens[r] = argmax of logits row r (lowest id on ties,
+ * NaN never chosen; -1 when every logit is NaN), or with temperature > 0 a
+ * draw from softmax(logits / T) keyed by (seed, counter[r]) */
+m3_status m3_cuda_sample(m3_backend *be, int rows, const float *logits, int vocab,
+                         float temperature, uint64_t seed, const int64_t *counter,
+                         int32_t *tokens);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

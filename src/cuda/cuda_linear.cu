@@ -1,0 +1,198 @@
+/*
+ * The linear op on the GPU. Decode row counts (<= 16) use the streaming
+ * GEMV of cuda_gemv.cuh, instantiated for row buckets 1, 2, 4, 8, 16 (rows
+ * past the real count are zero and never stored). Larger row counts
+ * (prefill) use cuBLAS for bf16 weights, and the GEMV 16 rows at a time for
+ * MXFP8 weights. Shapes the vector kernels cannot take (K not a multiple of
+ * 8, unaligned rows) fall back to a plain one-thread-per-output kernel, so
+ * every config the SPEC allows runs. The router's fp32 weights have their
+ * own small kernel.
+ */
+#include <stdio.h>
+
+#include "cuda/cuda_gemv.cuh"
+#include "cuda/cuda_internal.h"
+
+template <int T, bool FP8, bool OUT_F32>
+__global__ void __launch_bounds__(GEMV_THREADS)
+    linear_gemv_kernel(gemv_weight W, const uint16_t *__restrict__ x, int rows, int K, int64_t N,
+                       void *__restrict__ out) {
+    extern __shared__ uint4 smem_x[];
+    uint16_t *xs = reinterpret_cast<uint16_t *>(smem_x);
+    int64_t n0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_R;
+    float acc[GEMV_R][T];
+    auto row_ptr = [&](int t) { return x + (int64_t)t * K; };
+    gemv_rows<T, FP8>(acc, W, n0, N, K, row_ptr, rows, xs);
+    int lane = threadIdx.x & 31;
+    /* lane j stores (r, t) = (j / T, j % T) so stores spread over the warp */
+#pragma unroll
+    for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            if ((r * T + t) % 32 != lane || n0 + r >= N || t >= rows)
+                continue;
+            int64_t o = (int64_t)t * N + n0 + r;
+            if (OUT_F32)
+                static_cast<float *>(out)[o] = acc[r][t];
+            else
+                static_cast<uint16_t *>(out)[o] = m3_to_bf(acc[r][t]);
+        }
+}
+
+/* One thread per output: any K, any alignment. */
+__global__ void linear_scalar_kernel(gemv_weight W, bool fp8, const uint16_t *x, int rows, int K,
+                                     int64_t N, bool out_f32, void *out) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)rows * N)
+        return;
+    int t = (int)(i / N);
+    int64_t n = i % N;
+    float acc = 0.0f;
+    const uint8_t *row = W.w + n * W.w_row;
+    for (int k = 0; k < K; k++) {
+        float w = fp8 ? m3_e4m3(row[k]) * m3_e8m0(W.s[n * W.s_row + k / 32])
+                      : m3_bf(reinterpret_cast<const uint16_t *>(row)[k]);
+        acc += w * m3_bf(x[(int64_t)t * K + k]);
+    }
+    if (out_f32)
+        static_cast<float *>(out)[i] = acc;
+    else
+        static_cast<uint16_t *>(out)[i] = m3_to_bf(acc);
+}
+
+template <int T, bool FP8, bool OUT_F32>
+static m3_status launch_gemv_t(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
+                               int K, int64_t N, void *out) {
+    unsigned grid = (unsigned)((N + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R));
+    size_t smem = (size_t)T * GEMV_KC * sizeof(uint16_t);
+    linear_gemv_kernel<T, FP8, OUT_F32><<<grid, GEMV_THREADS, smem, cu->stream>>>(W, x, rows, K,
+                                                                                  N, out);
+    M3_CUDA_LAUNCHED("linear_gemv_kernel");
+    return M3_OK;
+}
+
+template <bool FP8, bool OUT_F32>
+static m3_status launch_gemv(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
+                             int K, int64_t N, void *out) {
+    if (rows <= 1)
+        return launch_gemv_t<1, FP8, OUT_F32>(cu, W, x, rows, K, N, out);
+    if (rows <= 2)
+        return launch_gemv_t<2, FP8, OUT_F32>(cu, W, x, rows, K, N, out);
+    if (rows <= 4)
+        return launch_gemv_t<4, FP8, OUT_F32>(cu, W, x, rows, K, N, out);
+    if (rows <= 8)
+        return launch_gemv_t<8, FP8, OUT_F32>(cu, W, x, rows, K, N, out);
+    return launch_gemv_t<16, FP8, OUT_F32>(cu, W, x, rows, K, N, out);
+}
+
+static bool vector_ok(const m3_linear *w, const void *x, int64_t K) {
+    bool fp8 = w->w.dtype == M3_DT_F8_E4M3;
+    uintptr_t a = (uintptr_t)w->w.data | (uintptr_t)x;
+    return K % 8 == 0 && a % 16 == 0 && w->w.nb[0] % 16 == 0 && (!fp8 || K % 32 == 0);
+}
+
+static m3_status cublas_linear(m3_cuda *cu, int rows, const uint16_t *x, const m3_linear *w,
+                               m3_dtype out_dtype, void *out) {
+    int64_t N = w->w.ne[0], K = w->w.ne[1];
+    float alpha = 1.0f, beta = 0.0f;
+    /* row-major out[T,N] = x[T,K] w[N,K]^T is column-major out^T = w x^T */
+    cublasStatus_t s = cublasGemmEx(
+        cu->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, rows, (int)K, &alpha, w->w.data,
+        CUDA_R_16BF, (int)(w->w.nb[0] / 2), x, CUDA_R_16BF, (int)K, &beta, out,
+        out_dtype == M3_DT_F32 ? CUDA_R_32F : CUDA_R_16BF, (int)N, CUBLAS_COMPUTE_32F,
+        CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return m3_fail(M3_ERR_DEVICE, "cuBLAS GemmEx [%d x %lld x %lld] failed: status %d", rows,
+                       (long long)N, (long long)K, (int)s);
+    return M3_OK;
+}
+
+static m3_status gemv_dispatch(m3_cuda *cu, int rows, const uint16_t *x, const m3_linear *w,
+                               bool out_f32, void *out) {
+    int64_t N = w->w.ne[0], K = w->w.ne[1];
+    bool fp8 = w->w.dtype == M3_DT_F8_E4M3;
+    gemv_weight W = {static_cast<const uint8_t *>(w->w.data), w->w.nb[0],
+                     static_cast<const uint8_t *>(w->scale.data), fp8 ? w->scale.nb[0] : 0};
+    if (!vector_ok(w, x, K)) {
+        int64_t total = (int64_t)rows * N;
+        unsigned grid = (unsigned)((total + 255) / 256);
+        linear_scalar_kernel<<<grid, 256, 0, cu->stream>>>(W, fp8, x, rows, (int)K, N, out_f32,
+                                                           out);
+        M3_CUDA_LAUNCHED("linear_scalar_kernel");
+        return M3_OK;
+    }
+    if (fp8)
+        return out_f32 ? launch_gemv<true, true>(cu, W, x, rows, (int)K, N, out)
+                       : launch_gemv<true, false>(cu, W, x, rows, (int)K, N, out);
+    return out_f32 ? launch_gemv<false, true>(cu, W, x, rows, (int)K, N, out)
+                   : launch_gemv<false, false>(cu, W, x, rows, (int)K, N, out);
+}
+
+extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
+                                    const m3_linear *w, m3_dtype out_dtype, void *out) {
+    m3_cuda *cu = m3_cuda_of(be);
+    if (rows <= 0)
+        return M3_OK;
+    if (w->w.dtype != M3_DT_BF16 && w->w.dtype != M3_DT_F8_E4M3)
+        return m3_fail(M3_ERR_INTERNAL, "linear: weight %s has dtype %s",
+                       w->w.name ? w->w.name : "?", m3_dtype_name(w->w.dtype));
+    bool out_f32 = out_dtype == M3_DT_F32;
+    int64_t N = w->w.ne[0], K = w->w.ne[1];
+    if (rows > GEMV_MAX_T && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX)
+        return cublas_linear(cu, rows, x, w, out_dtype, out);
+    /* MXFP8 (or odd shapes) past 16 rows: 16 rows per pass */
+    size_t out_size = out_f32 ? 4 : 2;
+    for (int r0 = 0; r0 < rows; r0 += GEMV_MAX_T) {
+        int n = rows - r0 < GEMV_MAX_T ? rows - r0 : GEMV_MAX_T;
+        M3_TRY(gemv_dispatch(cu, n, x + (int64_t)r0 * K, w, out_f32,
+                             static_cast<char *>(out) + (size_t)r0 * N * out_size));
+    }
+    return M3_OK;
+}
+
+/* ------------------------------------------------------------ fp32 weights */
+
+/* out[t, n] = x[t] . w[n] with fp32 weights (the router): one warp per
+ * output row n, all rows t at once (rows <= 16 per launch). */
+template <int T>
+__global__ void linear_f32w_kernel(const float *__restrict__ w, const uint16_t *__restrict__ x,
+                                   int rows, int64_t K, int64_t N, float *__restrict__ out) {
+    int64_t n = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (n >= N)
+        return;
+    float acc[T];
+#pragma unroll
+    for (int t = 0; t < T; t++)
+        acc[t] = 0.0f;
+    const float *row = w + n * K;
+    for (int64_t k = lane; k < K; k += 32) {
+        float wk = __ldg(row + k);
+#pragma unroll
+        for (int t = 0; t < T; t++)
+            if (t < rows)
+                acc[t] += wk * m3_bf(x[(int64_t)t * K + k]);
+    }
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+        float v = m3_warp_sum(acc[t]);
+        if (lane == 0 && t < rows)
+            out[(int64_t)t * N + n] = v;
+    }
+}
+
+extern "C" m3_status m3_cuda_linear_f32w(m3_cuda *cu, int rows, const uint16_t *x,
+                                         const float *w, int64_t n, int64_t k, float *out) {
+    for (int r0 = 0; r0 < rows; r0 += GEMV_MAX_T) {
+        int cnt = rows - r0 < GEMV_MAX_T ? rows - r0 : GEMV_MAX_T;
+        unsigned grid = (unsigned)((n + 7) / 8);
+        const uint16_t *xr = x + (int64_t)r0 * k;
+        float *o = out + (int64_t)r0 * n;
+        if (cnt <= 4)
+            linear_f32w_kernel<4><<<grid, 256, 0, cu->stream>>>(w, xr, cnt, k, n, o);
+        else
+            linear_f32w_kernel<16><<<grid, 256, 0, cu->stream>>>(w, xr, cnt, k, n, o);
+        M3_CUDA_LAUNCHED("linear_f32w_kernel");
+    }
+    return M3_OK;
+}

@@ -1,0 +1,1249 @@
+/*
+ * GPU-vs-CPU tests of every op in the backend table (backend/backend.h),
+ * SPEC §8: the CPU backend is the reference, and each CUDA op must agree
+ * with it on fresh random inputs. Per case: seeded inputs (bf16 values of
+ * order one, never zero; M3_TEST_SEED varies them), the CPU op run on host
+ * copies, the same bytes uploaded to the GPU, the GPU output poisoned with
+ * NaN bit patterns (and GUARD more poisoned bytes past its end), the CUDA op
+ * run and synchronised (so an asynchronous fault is charged to it), the
+ * output downloaded and compared.
+ *
+ * Verdicts, one line per case (op, shape, max abs error, relative L2 error,
+ * mismatching elements, PASS/FAIL), then a per-op summary table; the exit
+ * status is 1 on any failure:
+ *   - bf16 outputs of math done in a different order (norms, projections,
+ *     RoPE, attention, SwiGLU, MoE): relative L2 <= 1e-2 (TOL_BF16).
+ *   - fp32 outputs of the linear op: relative L2 <= 1e-5 (TOL_F32: the
+ *     same products summed in another order).
+ *   - copies (embed, gather_rows, cache_write, the add_rmsnorm residual,
+ *     which is one bf16 addition): bit-exact.
+ *   - index scores: both sides accumulate in fp64 and round once, so they
+ *     must be equal element for element; mismatches are counted.
+ *   - block selections (given the same scores) and greedy tokens: exact.
+ *   - NaN never passes: a NaN or inf where the reference is finite (or the
+ *     other way round) fails whatever the error norm; the guard bytes past
+ *     every output must still hold the poison.
+ * Outputs of padded rows (negative slot) are ignored, as the caller ignores
+ * them; padded rows must not write the cache. MoE rows whose expert choice
+ * is a near-tie (key gap < 1e-4) are drawn again: the GPU's fp32 router may
+ * break such a tie the other way, which is not an error of any kernel.
+ *
+ * Shapes: decode row counts 1..16, prefill chunks of 100-300 rows, and the
+ * `tiny` / `small` presets' layers over a whole 700-token prompt (the
+ * shapes test_cuda_model.c runs end to end).
+ *
+ * Step metadata: the GPU's m3_step carries its arrays in device memory
+ * (dev) and, in host, decoy arrays (every row padded, position 0), because
+ * cuda/cuda_internal.h requires ops to read dev only (graph replays change
+ * the values behind a captured step): an op that reads host fails here.
+ *
+ * Without a usable CUDA device the program prints "SKIP: no CUDA device:
+ * <reason>" and exits 77, which ctest counts as skipped.
+ */
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend/backend.h"
+#include "cache/cache.h"
+#include "core/bf16.h"
+#include "core/tensor.h"
+#include "decode/step.h"
+#include "gpu_common.h"
+#include "m3.h"
+
+#define PAGE M3_PAGE_TOKENS
+#define POISON 0x7fc17fc1u /* NaN as two bf16s and as one f32; no valid block id or token */
+#define BF16_NAN 0x7fc0u
+#define GUARD 4096         /* poisoned bytes past the end of every GPU output */
+#define TOL_BF16 1e-2
+#define TOL_F32 1e-5
+#define EXACT 0.0
+
+static m3_backend *g_cpu, *g_gpu;
+
+/* ------------------------------------------------------------ random inputs */
+
+static uint64_t g_rng;
+
+static uint64_t rng_u64(void) { return gpu_rng_next(&g_rng); }
+static double rng_unit(void) { return (double)(rng_u64() >> 11) * 0x1p-53; }
+static int rng_below(int n) { return (int)(rng_u64() % (uint64_t)n); }
+/* magnitude in [amp/16, amp), random sign: order one and never zero */
+static float rng_val(float amp) {
+    double m = (0.0625 + 0.9375 * rng_unit()) * amp;
+    return (float)((rng_u64() & 1) ? -m : m);
+}
+
+/* ------------------------------------------------------------ memory */
+
+/* Every buffer of a case is tracked and released by release_all() at its
+ * end, so the cases stay short. */
+#define MAX_TRACK 8192
+static void *g_host_mem[MAX_TRACK], *g_dev_mem[MAX_TRACK];
+static int g_n_host, g_n_dev;
+
+static void die(const char *what) {
+    fprintf(stderr, "test_cuda_ops: FATAL: %s: %s\n", what, m3_last_error());
+    exit(1);
+}
+
+static void *halloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p || g_n_host == MAX_TRACK) {
+        fprintf(stderr, "test_cuda_ops: FATAL: out of host memory (%zu bytes)\n", bytes);
+        exit(1);
+    }
+    return g_host_mem[g_n_host++] = p;
+}
+
+static void fill_poison(void *p, size_t bytes) {
+    const uint32_t w = POISON;
+    for (size_t i = 0; i < bytes; i++)
+        ((unsigned char *)p)[i] = ((const unsigned char *)&w)[i % 4];
+}
+
+static void *dalloc(size_t bytes) {
+    void *p = NULL;
+    if (g_gpu->ops->alloc(g_gpu, bytes, &p) || g_n_dev == MAX_TRACK)
+        die("GPU allocation");
+    return g_dev_mem[g_n_dev++] = p;
+}
+
+/* A GPU copy of host bytes (inputs). */
+static void *dev_from(const void *host, size_t bytes) {
+    void *d = dalloc(bytes);
+    if (g_gpu->ops->upload(g_gpu, d, host, bytes))
+        die("upload");
+    return d;
+}
+
+/* A GPU buffer of bytes followed by GUARD bytes: init's bytes (or poison
+ * when init is NULL), then poison. */
+static void *dev_buf(const void *init, size_t bytes) {
+    unsigned char *h = malloc(bytes + GUARD);
+    if (!h)
+        die("host staging");
+    fill_poison(h, bytes + GUARD);
+    if (init)
+        memcpy(h, init, bytes);
+    void *d = dev_from(h, bytes + GUARD);
+    free(h);
+    return d;
+}
+
+/* Download the bytes of a dev_buf; *guard_ok: the GUARD bytes past them
+ * still hold the poison (nothing was written past the op's extent). */
+static void *dev_fetch(const void *d, size_t bytes, bool *guard_ok) {
+    unsigned char *h = halloc(bytes + GUARD);
+    if (g_gpu->ops->download(g_gpu, h, d, bytes + GUARD))
+        die("download");
+    /* dev_buf laid the 4-byte poison word from offset 0 */
+    const uint32_t w = POISON;
+    *guard_ok = true;
+    for (size_t i = bytes; i < bytes + GUARD; i++)
+        *guard_ok &= h[i] == ((const unsigned char *)&w)[i % 4];
+    return h;
+}
+
+static void release_all(void) {
+    for (int i = 0; i < g_n_host; i++)
+        free(g_host_mem[i]);
+    for (int i = 0; i < g_n_dev; i++)
+        g_gpu->ops->release(g_gpu, g_dev_mem[i]);
+    g_n_host = g_n_dev = 0;
+}
+
+static uint16_t *rand_bf16(int64_t n, float amp) {
+    uint16_t *p = halloc((size_t)n * 2);
+    for (int64_t i = 0; i < n; i++)
+        p[i] = m3_f32_to_bf16(rng_val(amp));
+    return p;
+}
+
+static void *hdup(const void *src, size_t bytes) { return memcpy(halloc(bytes), src, bytes); }
+
+/* A GPU op, then a sync, so a fault in the kernel is reported here. */
+static m3_status gpu_done(m3_status st) { return st ? st : g_gpu->ops->sync(g_gpu); }
+
+static void cpu_must(m3_status st, const char *op) {
+    if (st)
+        die(op); /* the reference itself failed: nothing to compare with */
+}
+
+/* ------------------------------------------------------------ comparing */
+
+typedef gpu_cmp cmp;
+
+static cmp compare_bf16(const uint16_t *got, const uint16_t *ref, int64_t n) {
+    float *g = malloc((size_t)n * 4 + 4), *r = malloc((size_t)n * 4 + 4);
+    if (!g || !r)
+        die("host memory");
+    for (int64_t i = 0; i < n; i++) {
+        g[i] = m3_bf16_to_f32(got[i]);
+        r[i] = m3_bf16_to_f32(ref[i]);
+    }
+    cmp c = gpu_compare_f32(g, r, n);
+    free(g);
+    free(r);
+    return c;
+}
+
+static cmp compare_i32(const int32_t *got, const int32_t *ref, int64_t n) {
+    cmp c = {n, 0, 0, 0.0, 0.0};
+    for (int64_t i = 0; i < n; i++)
+        if (got[i] != ref[i]) {
+            c.mismatch++;
+            double e = fabs((double)got[i] - (double)ref[i]);
+            c.max_abs = e > c.max_abs ? e : c.max_abs;
+        }
+    c.rel_l2 = c.mismatch ? 1.0 : 0.0;
+    return c;
+}
+
+/* Copy the reference's rows into got for padded rows (negative slot):
+ * their outputs are ignored by the caller, so they never fail a case. */
+static void mask_padded(void *got, const void *ref, const m3_step *st, size_t row_bytes) {
+    for (int t = 0; t < st->rows; t++)
+        if (st->host.slots[t] < 0)
+            memcpy((char *)got + t * row_bytes, (const char *)ref + t * row_bytes, row_bytes);
+}
+
+/* ------------------------------------------------------------ reporting */
+
+typedef struct op_summary {
+    const char *op;
+    int cases, fails;
+    double worst_rel, worst_abs;
+    int64_t mismatches;
+} op_summary;
+
+static op_summary g_sum[32];
+static int g_n_sum, g_cases, g_fails;
+
+static op_summary *summary_of(const char *op) {
+    for (int i = 0; i < g_n_sum; i++)
+        if (!strcmp(g_sum[i].op, op))
+            return &g_sum[i];
+    op_summary *s = &g_sum[g_n_sum++];
+    memset(s, 0, sizeof *s);
+    s->op = op;
+    return s;
+}
+
+static void count(const char *op, bool pass, const cmp *c) {
+    op_summary *s = summary_of(op);
+    s->cases++;
+    s->fails += !pass;
+    g_cases++;
+    g_fails += !pass;
+    if (c) {
+        s->worst_rel = c->rel_l2 > s->worst_rel ? c->rel_l2 : s->worst_rel;
+        s->worst_abs = c->max_abs > s->worst_abs ? c->max_abs : s->worst_abs;
+        s->mismatches += c->mismatch;
+    }
+}
+
+/* The verdict of one case. tol == EXACT: every element must be equal;
+ * otherwise the relative L2 error must be within tol. extra_ok carries a
+ * case's own checks (guard bytes, untouched gaps), explained by note. */
+static bool report(const char *op, const char *shape, const cmp *c, double tol, bool extra_ok,
+                   const char *note) {
+    bool pass = c->bad_special == 0 && extra_ok &&
+                (tol == EXACT ? c->mismatch == 0 : c->rel_l2 <= tol);
+    char bound[32];
+    if (tol == EXACT)
+        snprintf(bound, sizeof bound, "exact");
+    else
+        snprintf(bound, sizeof bound, "<= %.0e", tol);
+    printf("%-15s %-52s maxabs %-9.3g relL2 %-9.3g %-8s mism %lld/%lld %s%s%s\n", op, shape,
+           c->max_abs, c->rel_l2, bound, (long long)c->mismatch, (long long)c->n,
+           pass ? "PASS" : "FAIL",
+           c->bad_special ? " (NaN/inf where the reference differs)" : "",
+           !extra_ok && note ? note : "");
+    count(op, pass, c);
+    return pass;
+}
+
+/* A GPU op that returned an error. */
+static void report_error(const char *op, const char *shape, m3_status st) {
+    printf("%-15s %-52s FAIL: %s: %s\n", op, shape, m3_status_name(st), m3_last_error());
+    count(op, false, NULL);
+}
+
+/* ------------------------------------------------------------ step metadata */
+
+/* A step for both backends: requests r with lens[r] tokens, the last ql[r]
+ * of them this step's rows, then pad padded rows (slot -1). Blocks map to
+ * pages of a shuffled pool, so block tables are not contiguous. The CPU
+ * step has dev == host; the GPU step has dev in device memory and decoy
+ * host arrays. */
+typedef struct pstep {
+    m3_step cpu, gpu;
+} pstep;
+
+static void step_alloc(m3_step_arrays *a, int rows, int n_reqs, int max_blocks) {
+    a->tokens = halloc((size_t)rows * 4);
+    a->positions = halloc((size_t)rows * 8);
+    a->slots = halloc((size_t)rows * 8);
+    a->row_req = halloc((size_t)rows * 4);
+    a->seq_lens = halloc((size_t)n_reqs * 4);
+    a->query_start = halloc((size_t)(n_reqs + 1) * 4);
+    a->block_table = halloc((size_t)n_reqs * max_blocks * 4);
+}
+
+static void step_fill(m3_step *s, const int *lens, const int *ql, int n_pages) {
+    m3_step_arrays *h = &s->host;
+    int32_t *perm = halloc((size_t)n_pages * 4);
+    for (int p = 0; p < n_pages; p++)
+        perm[p] = p;
+    for (int p = n_pages - 1; p > 0; p--) {
+        int q = rng_below(p + 1);
+        int32_t tmp = perm[p];
+        perm[p] = perm[q], perm[q] = tmp;
+    }
+    int t = 0, next = 0;
+    for (int r = 0; r < s->n_reqs; r++) {
+        int nb = (lens[r] + PAGE - 1) / PAGE;
+        for (int b = 0; b < s->max_blocks; b++)
+            h->block_table[r * s->max_blocks + b] = b < nb ? perm[next++] : -1;
+        h->seq_lens[r] = lens[r];
+        h->query_start[r] = t;
+        for (int i = 0; i < ql[r]; i++, t++) {
+            int64_t p = lens[r] - ql[r] + i;
+            h->tokens[t] = rng_below(1000);
+            h->positions[t] = p;
+            h->slots[t] = (int64_t)h->block_table[r * s->max_blocks + p / PAGE] * PAGE + p % PAGE;
+            h->row_req[t] = r;
+        }
+        s->max_query_len = ql[r] > s->max_query_len ? ql[r] : s->max_query_len;
+        if (ql[r] > 1 || ql[r] == lens[r])
+            s->n_prefill++;
+        else
+            s->n_decode++;
+    }
+    h->query_start[s->n_reqs] = t;
+    for (; t < s->rows; t++) {
+        h->tokens[t] = 0, h->positions[t] = 0, h->slots[t] = -1, h->row_req[t] = 0;
+    }
+}
+
+static void pstep_build(pstep *s, int n_reqs, const int *lens, const int *ql, int pad,
+                        int max_blocks, int n_pages) {
+    int rows = pad;
+    for (int r = 0; r < n_reqs; r++)
+        rows += ql[r];
+    memset(s, 0, sizeof *s);
+    m3_step *c = &s->cpu;
+    c->rows = rows, c->n_reqs = n_reqs, c->max_blocks = max_blocks, c->n_pages = n_pages;
+    c->graph_mode = M3_GRAPH_NONE;
+    step_alloc(&c->host, rows, n_reqs, max_blocks);
+    step_fill(c, lens, ql, n_pages);
+    c->dev = c->host;
+    s->gpu = *c;
+    const m3_step_arrays *h = &c->host;
+    m3_step_arrays *d = &s->gpu.dev, *decoy = &s->gpu.host;
+    d->tokens = dev_from(h->tokens, (size_t)rows * 4);
+    d->positions = dev_from(h->positions, (size_t)rows * 8);
+    d->slots = dev_from(h->slots, (size_t)rows * 8);
+    d->row_req = dev_from(h->row_req, (size_t)rows * 4);
+    d->seq_lens = dev_from(h->seq_lens, (size_t)n_reqs * 4);
+    d->query_start = dev_from(h->query_start, (size_t)(n_reqs + 1) * 4);
+    d->block_table = dev_from(h->block_table, (size_t)n_reqs * max_blocks * 4);
+    step_alloc(decoy, rows, n_reqs, max_blocks);
+    for (int t = 0; t < rows; t++)
+        decoy->tokens[t] = 0, decoy->positions[t] = 0, decoy->slots[t] = -1, decoy->row_req[t] = 0;
+    for (int r = 0; r < n_reqs; r++)
+        decoy->seq_lens[r] = 1, decoy->query_start[r] = 0;
+    decoy->query_start[n_reqs] = 0;
+    for (int i = 0; i < n_reqs * max_blocks; i++)
+        decoy->block_table[i] = -1;
+}
+
+static int pages_for(int n_reqs, const int *lens, int spare) {
+    int pages = spare;
+    for (int r = 0; r < n_reqs; r++)
+        pages += (lens[r] + PAGE - 1) / PAGE;
+    return pages;
+}
+
+/* Element offset of (position pos of request r, head) in a [pages, heads,
+ * 128, dim] cache. */
+static int64_t cache_at(const m3_step *st, int r, int64_t pos, int heads, int head, int dim) {
+    int64_t page = st->host.block_table[r * st->max_blocks + pos / PAGE];
+    return ((page * heads + head) * PAGE + pos % PAGE) * dim;
+}
+
+/* NaN everywhere except the requests' tokens (random), so reading a slot
+ * that a request does not own shows as NaN. */
+static uint16_t *make_cache(const m3_step *st, int heads, int dim, float amp) {
+    int64_t n = st->n_pages * heads * PAGE * dim;
+    uint16_t *c = halloc((size_t)n * 2);
+    for (int64_t i = 0; i < n; i++)
+        c[i] = BF16_NAN;
+    for (int r = 0; r < st->n_reqs; r++)
+        for (int64_t p = 0; p < st->host.seq_lens[r]; p++)
+            for (int h = 0; h < heads; h++) {
+                uint16_t *e = c + cache_at(st, r, p, heads, h, dim);
+                for (int i = 0; i < dim; i++)
+                    e[i] = m3_f32_to_bf16(rng_val(amp));
+            }
+    return c;
+}
+
+/* ------------------------------------------------------------ embed, gather */
+
+static void embed_case(int V, int H, int rows) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "rows %d V %d H %d", rows, V, H);
+    int64_t ne[2] = {V, H}, n = (int64_t)rows * H;
+    uint16_t *table = rand_bf16((int64_t)V * H, 1.0f), *ref = halloc((size_t)n * 2);
+    int32_t *tok = halloc((size_t)rows * 4);
+    for (int t = 0; t < rows; t++) /* both ends of the table, repeats */
+        tok[t] = t == 0 ? V - 1 : t == 1 ? 0 : rng_below(V);
+    m3_tensor tc = m3_tensor_make(M3_DT_BF16, 2, ne, table);
+    cpu_must(g_cpu->ops->embed(g_cpu, rows, tok, &tc, ref), "CPU embed");
+    m3_tensor tg = m3_tensor_make(M3_DT_BF16, 2, ne, dev_from(table, (size_t)V * H * 2));
+    void *out = dev_buf(NULL, (size_t)n * 2);
+    m3_status st = gpu_done(g_gpu->ops->embed(g_gpu, rows, dev_from(tok, (size_t)rows * 4), &tg, out));
+    if (st) {
+        report_error("embed", shape, st);
+    } else {
+        bool guard;
+        uint16_t *got = dev_fetch(out, (size_t)n * 2, &guard);
+        cmp c = compare_bf16(got, ref, n);
+        report("embed", shape, &c, EXACT, guard, " (wrote past the end)");
+    }
+    release_all();
+}
+
+static void gather_case(int n_src, int dim, int n) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "n %d of %d rows, dim %d", n, n_src, dim);
+    uint16_t *src = rand_bf16((int64_t)n_src * dim, 1.0f), *ref = halloc((size_t)n * dim * 2);
+    int32_t *idx = halloc((size_t)n * 4);
+    for (int i = 0; i < n; i++) /* repeats and out-of-order rows */
+        idx[i] = i == 0 ? n_src - 1 : rng_below(n_src);
+    cpu_must(g_cpu->ops->gather_rows(g_cpu, n, idx, dim, src, ref), "CPU gather_rows");
+    void *out = dev_buf(NULL, (size_t)n * dim * 2);
+    m3_status st = gpu_done(g_gpu->ops->gather_rows(g_gpu, n, dev_from(idx, (size_t)n * 4), dim,
+                                                    dev_from(src, (size_t)n_src * dim * 2), out));
+    if (st) {
+        report_error("gather_rows", shape, st);
+    } else {
+        bool guard;
+        uint16_t *got = dev_fetch(out, (size_t)n * dim * 2, &guard);
+        cmp c = compare_bf16(got, ref, (int64_t)n * dim);
+        report("gather_rows", shape, &c, EXACT, guard, " (wrote past the end)");
+    }
+    release_all();
+}
+
+static void test_embed_gather(void) {
+    embed_case(1000, 1024, 1);
+    embed_case(8192, 1024, 16);
+    embed_case(512, 6144, 100);
+    gather_case(16, 1024, 1);
+    gather_case(700, 1024, 16);
+    gather_case(300, 6144, 37);
+}
+
+/* ------------------------------------------------------------ add_rmsnorm */
+
+static void norm_case(int rows, int dim, bool with_add) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "rows %d dim %d %s", rows, dim, with_add ? "add" : "no add");
+    int64_t n = (int64_t)rows * dim;
+    float eps = 1e-6f;
+    uint16_t *add = with_add ? rand_bf16(n, 1.0f) : NULL, *res0 = rand_bf16(n, 1.0f);
+    uint16_t *w = rand_bf16(dim, 0.5f), *res_ref = hdup(res0, (size_t)n * 2);
+    uint16_t *out_ref = halloc((size_t)n * 2);
+    for (int t = 0; t < rows; t++) /* rows of different scales */
+        for (int i = 0; i < dim; i++)
+            res0[(int64_t)t * dim + i] = res_ref[(int64_t)t * dim + i] = m3_f32_to_bf16(
+                m3_bf16_to_f32(res0[(int64_t)t * dim + i]) * ldexpf(1.0f, t % 5 - 2));
+    int64_t ne[1] = {dim};
+    m3_tensor wc = m3_tensor_make(M3_DT_BF16, 1, ne, w);
+    cpu_must(g_cpu->ops->add_rmsnorm(g_cpu, rows, dim, add, res_ref, &wc, eps, out_ref),
+             "CPU add_rmsnorm");
+    m3_tensor wg = m3_tensor_make(M3_DT_BF16, 1, ne, dev_from(w, (size_t)dim * 2));
+    void *res = dev_buf(res0, (size_t)n * 2), *out = dev_buf(NULL, (size_t)n * 2);
+    void *dadd = add ? dev_from(add, (size_t)n * 2) : NULL;
+    m3_status st = gpu_done(g_gpu->ops->add_rmsnorm(g_gpu, rows, dim, dadd, res, &wg, eps, out));
+    if (st) {
+        report_error("add_rmsnorm", shape, st);
+    } else {
+        bool g1, g2;
+        uint16_t *got_res = dev_fetch(res, (size_t)n * 2, &g1);
+        uint16_t *got = dev_fetch(out, (size_t)n * 2, &g2);
+        cmp c = compare_bf16(got, out_ref, n);
+        report("add_rmsnorm", shape, &c, TOL_BF16, g2, " (wrote past the end)");
+        /* residual = bf16(add + residual): one rounding of one sum, exact */
+        cmp r = compare_bf16(got_res, res_ref, n);
+        report("add_rmsnorm.res", shape, &r, EXACT, g1, " (wrote past the end)");
+    }
+    release_all();
+}
+
+static void test_add_rmsnorm(void) {
+    norm_case(1, 6144, true);
+    norm_case(5, 1024, true);
+    norm_case(5, 1024, false);
+    norm_case(16, 256, true);
+    norm_case(100, 1024, true);
+    norm_case(3, 200, true); /* a width no vector kernel divides evenly */
+}
+
+/* ------------------------------------------------------------ linear */
+
+/* A finite, non-zero e4m3 byte: exponent field 1..10. */
+static uint8_t rand_e4m3(void) {
+    return (uint8_t)(rng_below(2) << 7 | (1 + rng_below(10)) << 3 | rng_below(8));
+}
+
+/* A host [N, K] linear, bf16 (values of amp) or MXFP8 (scales 2^-7..2^-5). */
+static m3_linear make_linear(int64_t N, int64_t K, bool fp8, float amp) {
+    int64_t ne[2] = {N, K}, nes[2] = {N, K / 32};
+    m3_linear l = {{0}, {0}};
+    if (!fp8) {
+        l.w = m3_tensor_make(M3_DT_BF16, 2, ne, rand_bf16(N * K, amp));
+        return l;
+    }
+    uint8_t *q = halloc((size_t)(N * K)), *s = halloc((size_t)(N * K / 32));
+    for (int64_t i = 0; i < N * K; i++)
+        q[i] = rand_e4m3();
+    for (int64_t i = 0; i < N * K / 32; i++)
+        s[i] = (uint8_t)(120 + rng_below(3));
+    l.w = m3_tensor_make(M3_DT_F8_E4M3, 2, ne, q);
+    l.scale = m3_tensor_make(M3_DT_U8, 2, nes, s);
+    return l;
+}
+
+static size_t tensor_bytes(const m3_tensor *t) {
+    return (size_t)m3_tensor_nelem(t) * m3_dtype_size(t->dtype);
+}
+
+/* The same linear with its bytes on the GPU. */
+static m3_linear linear_to_gpu(const m3_linear *h) {
+    m3_linear d = *h;
+    d.w.data = dev_from(h->w.data, tensor_bytes(&h->w));
+    if (h->scale.data)
+        d.scale.data = dev_from(h->scale.data, tensor_bytes(&h->scale));
+    return d;
+}
+
+/* One product: rows x [N, K] with output dtype out; misalign puts x one
+ * element past an aligned address (the scalar path). */
+static void linear_run(const char *op, int rows, const uint16_t *x, const m3_linear *hw,
+                       const m3_linear *dw, m3_dtype out, bool misalign) {
+    int64_t N = hw->w.ne[0], K = hw->w.ne[1], n = rows * N;
+    size_t osz = out == M3_DT_F32 ? 4 : 2;
+    char shape[96];
+    snprintf(shape, sizeof shape, "rows %d N %lld K %lld %s->%s%s", rows, (long long)N,
+             (long long)K, hw->w.dtype == M3_DT_BF16 ? "bf16" : "mxfp8",
+             out == M3_DT_F32 ? "f32" : "bf16", misalign ? " x+1" : "");
+    void *ref = halloc((size_t)n * osz);
+    cpu_must(g_cpu->ops->linear(g_cpu, rows, x, hw, out, ref), "CPU linear");
+    uint16_t *dx = dalloc((size_t)(rows * K + 8) * 2);
+    if (misalign)
+        dx += 1;
+    if (g_gpu->ops->upload(g_gpu, dx, x, (size_t)(rows * K) * 2))
+        die("upload");
+    void *dout = dev_buf(NULL, (size_t)n * osz);
+    m3_status st = gpu_done(g_gpu->ops->linear(g_gpu, rows, dx, dw, out, dout));
+    if (st) {
+        report_error(op, shape, st);
+        return;
+    }
+    bool guard;
+    void *got = dev_fetch(dout, (size_t)n * osz, &guard);
+    cmp c = out == M3_DT_F32 ? gpu_compare_f32(got, ref, n) : compare_bf16(got, ref, n);
+    report(op, shape, &c, out == M3_DT_F32 ? TOL_F32 : TOL_BF16, guard, " (wrote past the end)");
+}
+
+static void linear_weight_cases(int64_t N, int64_t K, bool fp8) {
+    static const int rows_list[] = {1, 2, 3, 5, 8, 13, 16, 100};
+    m3_linear hw = make_linear(N, K, fp8, 1.0f), dw = linear_to_gpu(&hw);
+    for (size_t i = 0; i < sizeof rows_list / sizeof *rows_list; i++) {
+        int rows = rows_list[i];
+        uint16_t *x = rand_bf16(rows * K, 1.0f);
+        linear_run("linear", rows, x, &hw, &dw, M3_DT_BF16, false);
+        linear_run("linear", rows, x, &hw, &dw, M3_DT_F32, false);
+    }
+    /* unaligned activations: the vector kernels cannot take them */
+    uint16_t *x = rand_bf16(5 * K, 1.0f);
+    linear_run("linear", 5, x, &hw, &dw, M3_DT_BF16, true);
+    release_all();
+}
+
+/* Prefill-sized products of the model presets: lm_head of `tiny` (bf16,
+ * f32 logits), q_proj of `small`, an MXFP8 projection. */
+static void linear_prefill_cases(void) {
+    m3_linear hw = make_linear(512, 256, false, 1.0f), dw = linear_to_gpu(&hw);
+    uint16_t *x = rand_bf16(700 * 256, 1.0f);
+    linear_run("linear", 700, x, &hw, &dw, M3_DT_F32, false);
+    m3_linear qw = make_linear(4096, 1024, false, 1.0f), dq = linear_to_gpu(&qw);
+    uint16_t *xq = rand_bf16(700 * 1024, 1.0f);
+    linear_run("linear", 700, xq, &qw, &dq, M3_DT_BF16, false);
+    m3_linear fw = make_linear(256, 1024, true, 1.0f), df = linear_to_gpu(&fw);
+    linear_run("linear", 700, xq, &fw, &df, M3_DT_BF16, false);
+    release_all();
+}
+
+static void test_linear(void) {
+    /* N not a multiple of a CTA's output rows; K = 200: not a multiple of 8,
+     * the scalar fallback (bf16 only: MXFP8 needs K % 32 == 0) */
+    linear_weight_cases(520, 1024, false);
+    linear_weight_cases(264, 6144, false);
+    linear_weight_cases(77, 200, false);
+    linear_weight_cases(520, 1024, true);
+    linear_weight_cases(264, 6144, true);
+    linear_weight_cases(77, 96, true);
+    linear_prefill_cases();
+}
+
+/* ------------------------------------------------------------ head_norm_rope */
+
+static void rope_case(int rows, int heads, int dim, int rotary, int gap, const int64_t *pos) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "rows %d heads %d dim %d rot %d gap %d maxpos %lld", rows,
+             heads, dim, rotary, gap, (long long)pos[rows - 1]);
+    float eps = 1e-6f;
+    m3_rope rope = {rotary, 5000000.0};
+    int64_t stride = (int64_t)heads * dim + gap, n = rows * stride, ne[1] = {dim};
+    /* the gap between rows is random like the rest and must stay untouched */
+    uint16_t *x0 = rand_bf16(n, 2.0f), *w = rand_bf16(dim, 0.5f), *ref = hdup(x0, (size_t)n * 2);
+    m3_tensor wc = m3_tensor_make(M3_DT_BF16, 1, ne, w);
+    cpu_must(g_cpu->ops->head_norm_rope(g_cpu, rows, heads, dim, ref, stride, &wc, eps, pos, &rope),
+             "CPU head_norm_rope");
+    m3_tensor wg = m3_tensor_make(M3_DT_BF16, 1, ne, dev_from(w, (size_t)dim * 2));
+    void *dx = dev_buf(x0, (size_t)n * 2), *dpos = dev_from(pos, (size_t)rows * 8);
+    m3_status st = gpu_done(
+        g_gpu->ops->head_norm_rope(g_gpu, rows, heads, dim, dx, stride, &wg, eps, dpos, &rope));
+    if (st) {
+        report_error("head_norm_rope", shape, st);
+    } else {
+        bool guard, gap_ok = true;
+        uint16_t *got = dev_fetch(dx, (size_t)n * 2, &guard);
+        for (int t = 0; t < rows; t++)
+            for (int i = heads * dim; i < stride; i++)
+                gap_ok &= got[t * stride + i] == x0[t * stride + i];
+        cmp c = compare_bf16(got, ref, n);
+        report("head_norm_rope", shape, &c, TOL_BF16, guard && gap_ok,
+               gap_ok ? " (wrote past the end)" : " (wrote into the gap between rows)");
+    }
+    release_all();
+}
+
+static void test_head_norm_rope(void) {
+    /* ascending positions, the last one reported in the shape: up to
+     * 2^20 - 1, where an fp32 angle would be visibly off */
+    int64_t pos[9] = {0, 1, 127, 128, 4095, 65537, 524288 + 12345, (1 << 20) - 2, (1 << 20) - 1};
+    rope_case(9, 32, 128, 64, 0, pos);   /* q: 32 heads */
+    rope_case(9, 2, 128, 64, 64, pos);   /* k, inside a wider row */
+    rope_case(9, 1, 128, 64, 0, pos);    /* the index key */
+    rope_case(9, 16, 64, 32, 8, pos);    /* head_dim 64 */
+    int64_t many[100];
+    for (int t = 0; t < 100; t++)
+        many[t] = t * 10000 + rng_below(10000);
+    rope_case(100, 4, 128, 64, 0, many); /* a prefill of index queries */
+}
+
+/* ------------------------------------------------------------ cache_write */
+
+static void cache_case(int rows, const int64_t *slots, int pages, int heads, int dim, int gap) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "rows %d pages %d heads %d dim %d gap %d", rows, pages, heads,
+             dim, gap);
+    int64_t stride = (int64_t)heads * dim + gap, cn = (int64_t)pages * heads * PAGE * dim;
+    uint16_t *src = rand_bf16(rows * stride, 1.0f), *c0 = rand_bf16(cn, 1.0f);
+    uint16_t *ref = hdup(c0, (size_t)cn * 2);
+    cpu_must(g_cpu->ops->cache_write(g_cpu, rows, slots, heads, dim, src, stride, ref),
+             "CPU cache_write");
+    void *dc = dev_buf(c0, (size_t)cn * 2);
+    m3_status st = gpu_done(g_gpu->ops->cache_write(
+        g_gpu, rows, dev_from(slots, (size_t)rows * 8), heads, dim,
+        dev_from(src, (size_t)rows * stride * 2), stride, dc));
+    if (st) {
+        report_error("cache_write", shape, st);
+    } else {
+        /* the whole cache: written slots hold the rows, every other slot
+         * (those of padded rows included) is untouched */
+        bool guard;
+        uint16_t *got = dev_fetch(dc, (size_t)cn * 2, &guard);
+        cmp c = compare_bf16(got, ref, cn);
+        report("cache_write", shape, &c, EXACT, guard, " (wrote past the end)");
+    }
+    release_all();
+}
+
+static void test_cache_write(void) {
+    /* negative slots are padded rows: nothing written */
+    int64_t s1[8] = {130, -1, 0, 767, 257, -7, 5, 640};
+    cache_case(8, s1, 6, 2, 128, 64);
+    cache_case(8, s1, 6, 1, 128, 0); /* the index cache */
+    cache_case(8, s1, 6, 16, 64, 0);
+    int64_t s2[300];
+    for (int t = 0; t < 300; t++) /* a prefill over three pages, a padded tail */
+        s2[t] = t < 290 ? 2 * PAGE + t : -1;
+    cache_case(300, s2, 6, 2, 128, 0);
+}
+
+/* ------------------------------------------------------------ index_scores */
+
+static void index_case(const char *what, int n_reqs, const int *lens, const int *ql, int pad,
+                       int heads, int max_blocks, bool with_nan) {
+    enum { DIM = 128 };
+    pstep s;
+    pstep_build(&s, n_reqs, lens, ql, pad, max_blocks, pages_for(n_reqs, lens, 3));
+    const m3_step *st = &s.cpu;
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s: %d reqs, rows %d, heads %d, width %d", what, n_reqs,
+             st->rows, heads, max_blocks);
+    uint16_t *ic = make_cache(st, 1, DIM, 1.0f);
+    uint16_t *iq = rand_bf16((int64_t)st->rows * heads * DIM, 1.0f);
+    /* keys a request's first row must not see yet: 4x its head-0 query, so
+     * reading one would win the max */
+    for (int r = 0, t = 0; r < n_reqs; t += ql[r], r++)
+        for (int64_t p = lens[r] - ql[r] + 1; p < lens[r]; p++)
+            for (int i = 0; i < DIM; i++)
+                ic[cache_at(st, r, p, 1, 0, DIM) + i] =
+                    m3_f32_to_bf16(4.0f * m3_bf16_to_f32(iq[(int64_t)t * heads * DIM + i]));
+    if (with_nan) { /* a NaN query element (row 0, head 1); a NaN key in the last request */
+        iq[(0 * heads + 1) * DIM + 7] = BF16_NAN;
+        ic[cache_at(st, n_reqs - 1, lens[n_reqs - 1] / 2, 1, 0, DIM) + 3] = BF16_NAN;
+    }
+    float scale = (float)(1.0 / sqrt((double)DIM) * 1.4426950408889634);
+    int64_t n = (int64_t)st->rows * heads * max_blocks, icn = st->n_pages * PAGE * DIM;
+    float *ref = halloc((size_t)n * 4);
+    cpu_must(g_cpu->ops->index_scores(g_cpu, st, heads, DIM, iq, ic, scale, ref),
+             "CPU index_scores");
+    void *out = dev_buf(NULL, (size_t)n * 4);
+    m3_status e = gpu_done(g_gpu->ops->index_scores(
+        g_gpu, &s.gpu, heads, DIM, dev_from(iq, (size_t)st->rows * heads * DIM * 2),
+        dev_from(ic, (size_t)icn * 2), scale, out));
+    if (e) {
+        report_error("index_scores", shape, e);
+    } else {
+        bool guard;
+        float *got = dev_fetch(out, (size_t)n * 4, &guard);
+        mask_padded(got, ref, st, (size_t)heads * max_blocks * 4);
+        cmp c = gpu_compare_f32(got, ref, n);
+        report("index_scores", shape, &c, EXACT, guard, " (wrote past the end)");
+    }
+    release_all();
+}
+
+static void test_index_scores(void) {
+    /* contexts from 1 token to 40 blocks; partial last blocks; an exactly
+     * full block; decode and multi-row requests; a padded row */
+    int lens[8] = {1, 5, 128, 129, 300, 1000, 40 * PAGE, 40 * PAGE - 77};
+    int ql[8] = {1, 1, 1, 2, 3, 1, 4, 1};
+    index_case("mixed", 8, lens, ql, 1, 4, 48, false);
+    index_case("mixed, NaN", 8, lens, ql, 1, 4, 48, true);
+    index_case("2 heads, width 256", 8, lens, ql, 2, 2, 256, false);
+    int plen[2] = {2000, 700}, pql[2] = {200, 1}; /* a prefill chunk: rows mask within a block */
+    index_case("prefill", 2, plen, pql, 1, 2, 16, false);
+    int zlen[1] = {700}, zql[1] = {700}; /* a whole 700-token prompt */
+    index_case("prompt", 1, zlen, zql, 0, 2, 8, false);
+}
+
+/* ------------------------------------------------------------ select_blocks */
+
+static void select_case(const char *what, const m3_select_params *p, int n_reqs, const int *lens,
+                        const int *ql, int heads, int max_blocks) {
+    pstep s;
+    pstep_build(&s, n_reqs, lens, ql, 2, max_blocks, pages_for(n_reqs, lens, 0));
+    const m3_step *st = &s.cpu;
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s: topk %d init %d local %d, rows %d heads %d", what, p->topk,
+             p->init_blocks, p->local_blocks, st->rows, heads);
+    int64_t n = (int64_t)st->rows * heads * max_blocks, nsel = (int64_t)st->rows * heads * p->topk;
+    float *sc = halloc((size_t)n * 4);
+    for (int t = 0; t < st->rows; t++) {
+        int nb = (int)((st->host.positions[t] + PAGE) / PAGE);
+        for (int64_t k = (int64_t)t * heads * max_blocks; k < (int64_t)(t + 1) * heads * max_blocks;
+             k++) {
+            int b = (int)(k % max_blocks), u = rng_below(16);
+            /* few distinct values (ties), NaN, -inf; past the visible
+             * blocks a large score the op must ignore */
+            sc[k] = b >= nb ? 1e30f : u == 0 ? NAN : u == 1 ? -INFINITY : (float)(u % 5 - 2);
+        }
+    }
+    int32_t *ref = halloc((size_t)nsel * 4);
+    cpu_must(g_cpu->ops->select_blocks(g_cpu, st, heads, sc, p, ref), "CPU select_blocks");
+    void *out = dev_buf(NULL, (size_t)nsel * 4);
+    m3_status e = gpu_done(
+        g_gpu->ops->select_blocks(g_gpu, &s.gpu, heads, dev_from(sc, (size_t)n * 4), p, out));
+    if (e) {
+        report_error("select_blocks", shape, e);
+    } else {
+        bool guard;
+        int32_t *got = dev_fetch(out, (size_t)nsel * 4, &guard);
+        mask_padded(got, ref, st, (size_t)heads * p->topk * 4);
+        cmp c = compare_i32(got, ref, nsel);
+        report("select_blocks", shape, &c, EXACT, guard, " (wrote past the end)");
+    }
+    release_all();
+}
+
+static void test_select_blocks(void) {
+    m3_select_params m3 = {16, 0, 1}, a = {4, 1, 2}, tiny = {3, 1, 1}, wide = {8, 1, 1};
+    /* 1 block (fewer than topk), exactly topk, a partial block, more */
+    int lens[6] = {100, 4 * PAGE, 5 * PAGE - 3, 11 * PAGE, 20 * PAGE, 16 * PAGE + 1};
+    int ql[6] = {1, 1, 2, 1, 3, 1};
+    select_case("mixed", &m3, 6, lens, ql, 4, 24);
+    select_case("mixed", &a, 6, lens, ql, 2, 24);
+    select_case("mixed", &tiny, 6, lens, ql, 2, 24);
+    select_case("mixed", &wide, 6, lens, ql, 4, 24);
+    /* M3's selection over 16 decode requests of up to 200 blocks, a table
+     * as wide as a graph engine's */
+    int big[16], one[16];
+    for (int r = 0; r < 16; r++)
+        big[r] = 1 + rng_below(200 * PAGE), one[r] = 1;
+    select_case("16 decode rows", &m3, 16, big, one, 4, 256);
+    int plen[1] = {3000}, pql[1] = {64}; /* a prefill chunk */
+    select_case("prefill", &m3, 1, plen, pql, 2, 24);
+    m3_select_params small = {4, 1, 1};
+    int zlen[1] = {700}, zql[1] = {700}; /* a whole 700-token prompt */
+    select_case("prompt", &tiny, 1, zlen, zql, 2, 8);
+    select_case("prompt", &small, 1, zlen, zql, 2, 8);
+}
+
+/* ------------------------------------------------------------ attention */
+
+/* Per (row, KV group) a random non-empty set of at most topk visible
+ * blocks, ascending, -1 padded; padded rows all -1. */
+static int32_t *make_selection(const m3_step *st, int kv_heads, int topk) {
+    int32_t *sel = halloc((size_t)st->rows * kv_heads * topk * 4);
+    for (int t = 0; t < st->rows; t++)
+        for (int g = 0; g < kv_heads; g++) {
+            int32_t *o = sel + ((int64_t)t * kv_heads + g) * topk;
+            int nb = (int)((st->host.positions[t] + PAGE) / PAGE), n = 0;
+            int want = 1 + rng_below(nb < topk ? nb : topk);
+            for (int b = 0; b < nb && st->host.slots[t] >= 0; b++) /* want of nb */
+                if (rng_below(nb - b) < want - n)
+                    o[n++] = b;
+            while (n < topk)
+                o[n++] = -1;
+        }
+    return sel;
+}
+
+typedef struct attn_shape {
+    int q_heads, kv_heads, dim, topk; /* topk 0: dense */
+    int max_blocks;
+} attn_shape;
+
+static void attn_case(const char *what, const attn_shape *a, int n_reqs, const int *lens,
+                      const int *ql, int pad) {
+    pstep s;
+    pstep_build(&s, n_reqs, lens, ql, pad, a->max_blocks, pages_for(n_reqs, lens, 2));
+    const m3_step *st = &s.cpu;
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s %s: %d reqs, %d+%d rows, %d/%d heads, dim %d", what,
+             a->topk ? "sparse" : "dense", n_reqs, st->rows - pad, pad, a->q_heads, a->kv_heads,
+             a->dim);
+    uint16_t *kc = make_cache(st, a->kv_heads, a->dim, 1.0f);
+    uint16_t *vc = make_cache(st, a->kv_heads, a->dim, 1.0f);
+    int64_t n = (int64_t)st->rows * a->q_heads * a->dim;
+    int64_t cn = st->n_pages * a->kv_heads * PAGE * a->dim;
+    uint16_t *q = rand_bf16(n, 2.0f), *ref = halloc((size_t)n * 2);
+    int32_t *sel = a->topk ? make_selection(st, a->kv_heads, a->topk) : NULL;
+    float scale = (float)(1.0 / sqrt((double)a->dim));
+    cpu_must(g_cpu->ops->attention(g_cpu, st, a->q_heads, a->kv_heads, a->dim, q, kc, vc, sel,
+                                   a->topk, scale, ref),
+             "CPU attention");
+    void *dsel = sel ? dev_from(sel, (size_t)st->rows * a->kv_heads * a->topk * 4) : NULL;
+    void *out = dev_buf(NULL, (size_t)n * 2);
+    m3_status e = gpu_done(g_gpu->ops->attention(
+        g_gpu, &s.gpu, a->q_heads, a->kv_heads, a->dim, dev_from(q, (size_t)n * 2),
+        dev_from(kc, (size_t)cn * 2), dev_from(vc, (size_t)cn * 2), dsel, a->topk, scale, out));
+    if (e) {
+        report_error("attention", shape, e);
+    } else {
+        bool guard;
+        uint16_t *got = dev_fetch(out, (size_t)n * 2, &guard);
+        mask_padded(got, ref, st, (size_t)a->q_heads * a->dim * 2);
+        cmp c = compare_bf16(got, ref, n);
+        report("attention", shape, &c, TOL_BF16, guard, " (wrote past the end)");
+    }
+    release_all();
+}
+
+/* Decode steps of `rows` one-row requests with contexts up to 3000 tokens
+ * (1, 128 and 129 among them), one padded row. */
+static void attn_decode(const attn_shape *a, int rows) {
+    int lens[16], ql[16];
+    static const int special[4] = {1, 128, 129, 3000};
+    for (int r = 0; r < rows; r++) {
+        lens[r] = r < 4 ? special[(r + rows) % 4] : 1 + rng_below(3000);
+        ql[r] = 1;
+    }
+    attn_case("decode", a, rows, lens, ql, rows < 16 ? 1 : 0);
+}
+
+static void test_attention(void) {
+    static const int rows_list[] = {1, 2, 3, 5, 8, 16};
+    for (int dim = 128; dim >= 64; dim /= 2)
+        for (int sparse = 0; sparse < 2; sparse++) {
+            attn_shape a = {32, 2, dim, sparse ? 16 : 0, 32};
+            for (size_t i = 0; i < sizeof rows_list / sizeof *rows_list; i++)
+                attn_decode(&a, rows_list[i]);
+        }
+    /* speculative-verify-like steps: 2 requests of 8 rows; a table as wide
+     * as a graph engine's (256 blocks) */
+    int vlen[2] = {1500, 260}, vql[2] = {8, 8};
+    attn_shape wide = {32, 2, 128, 16, 256}, wide_dense = {32, 2, 128, 0, 256};
+    attn_case("2x8 rows", &wide, 2, vlen, vql, 0);
+    attn_case("2x8 rows", &wide_dense, 2, vlen, vql, 0);
+    /* a prefill chunk of 300 rows (positions 900..1199) beside a decode row */
+    int plen[2] = {1200, 2500}, pql[2] = {300, 1};
+    attn_shape pre = {32, 2, 128, 16, 24}, pre_dense = {32, 2, 128, 0, 24};
+    attn_case("prefill", &pre, 2, plen, pql, 1);
+    attn_case("prefill", &pre_dense, 2, plen, pql, 1);
+    /* the M3 rank shape: 16 query heads on one KV head */
+    attn_shape rank = {16, 1, 128, 16, 32};
+    attn_decode(&rank, 4);
+    /* whole 700-token prompts in the `tiny` (4/2 heads, top 3) and `small`
+     * (32/2 heads, top 4) shapes */
+    int zlen[1] = {700}, zql[1] = {700};
+    attn_shape tiny_s = {4, 2, 128, 3, 8}, tiny_d = {4, 2, 128, 0, 8};
+    attn_shape small_s = {32, 2, 128, 4, 8}, small_d = {32, 2, 128, 0, 8};
+    attn_case("prompt", &tiny_s, 1, zlen, zql, 0);
+    attn_case("prompt", &tiny_d, 1, zlen, zql, 0);
+    attn_case("prompt", &small_s, 1, zlen, zql, 0);
+    attn_case("prompt", &small_d, 1, zlen, zql, 0);
+}
+
+/* ------------------------------------------------------------ swiglu */
+
+static void swiglu_run(const char *what, int64_t n, const uint16_t *gate, const uint16_t *up) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "%s, n %lld", what, (long long)n);
+    m3_swiglu act = {1.702f, 7.0f};
+    uint16_t *ref = halloc((size_t)n * 2);
+    cpu_must(g_cpu->ops->swiglu(g_cpu, n, gate, up, &act, ref), "CPU swiglu");
+    void *out = dev_buf(NULL, (size_t)n * 2);
+    m3_status e = gpu_done(g_gpu->ops->swiglu(g_gpu, n, dev_from(gate, (size_t)n * 2),
+                                              dev_from(up, (size_t)n * 2), &act, out));
+    if (e) {
+        report_error("swiglu", shape, e);
+    } else {
+        bool guard;
+        uint16_t *got = dev_fetch(out, (size_t)n * 2, &guard);
+        cmp c = compare_bf16(got, ref, n);
+        report("swiglu", shape, &c, TOL_BF16, guard, " (wrote past the end)");
+    }
+    release_all();
+}
+
+static void test_swiglu(void) {
+    int64_t sizes[3] = {1, 7, (1 << 20) + 3};
+    for (int i = 0; i < 3; i++) { /* beyond the limit on both sides: both clamps */
+        uint16_t *gate = rand_bf16(sizes[i], 12.0f), *up = rand_bf16(sizes[i], 12.0f);
+        swiglu_run("random", sizes[i], gate, up);
+    }
+    /* every bf16 gate pattern (NaN, inf, subnormals) against random ups */
+    int64_t n = 65536 * 4;
+    uint16_t *gate = halloc((size_t)n * 2), *up = rand_bf16(n, 9.0f);
+    for (int64_t i = 0; i < n; i++)
+        gate[i] = (uint16_t)(i % 65536);
+    up[3] = BF16_NAN; /* a NaN up must stay NaN */
+    swiglu_run("every gate", n, gate, up);
+}
+
+/* ------------------------------------------------------------ moe */
+
+typedef struct moe_cfg {
+    int E, k, H, I, Is;
+    bool shared, bias, fp8;
+} moe_cfg;
+
+/* Host weights of one MoE layer. With bias, expert 0 gets bias -100 (never
+ * routed) and NaN weights, so a read of it that reached the output shows. */
+static m3_layer_weights moe_weights(const moe_cfg *m) {
+    m3_layer_weights lw;
+    memset(&lw, 0, sizeof lw);
+    lw.moe = true;
+    int64_t ne[2] = {m->E, m->H}, neb[1] = {m->E};
+    float *router = halloc((size_t)m->E * m->H * 4), *bias = halloc((size_t)m->E * 4);
+    for (int64_t i = 0; i < (int64_t)m->E * m->H; i++)
+        router[i] = rng_val(0.1f);
+    for (int e = 0; e < m->E; e++)
+        bias[e] = e == 0 ? -100.0f : rng_val(0.2f);
+    lw.router = m3_tensor_make(M3_DT_F32, 2, ne, router);
+    if (m->bias)
+        lw.router_bias = m3_tensor_make(M3_DT_F32, 1, neb, bias);
+    m3_linear *ex = halloc(sizeof(m3_linear) * 3 * (size_t)m->E);
+    lw.exp_gate = ex, lw.exp_up = ex + m->E, lw.exp_down = ex + 2 * m->E;
+    for (int e = 0; e < m->E; e++) {
+        lw.exp_gate[e] = make_linear(m->I, m->H, m->fp8, 2.0f / sqrtf((float)m->H));
+        lw.exp_up[e] = make_linear(m->I, m->H, m->fp8, 2.0f / sqrtf((float)m->H));
+        lw.exp_down[e] = make_linear(m->H, m->I, m->fp8, 2.0f / sqrtf((float)m->I));
+    }
+    if (m->bias) {
+        m3_linear *z[3] = {&lw.exp_gate[0], &lw.exp_up[0], &lw.exp_down[0]};
+        for (int j = 0; j < 3; j++)
+            if (m->fp8)
+                memset(z[j]->w.data, 0x7f, tensor_bytes(&z[j]->w)); /* e4m3 NaN */
+            else
+                for (int64_t i = 0; i < m3_tensor_nelem(&z[j]->w); i++)
+                    ((uint16_t *)z[j]->w.data)[i] = BF16_NAN;
+    }
+    if (m->shared) {
+        lw.sh_gate = make_linear(m->Is, m->H, false, 2.0f / sqrtf((float)m->H));
+        lw.sh_up = make_linear(m->Is, m->H, false, 2.0f / sqrtf((float)m->H));
+        lw.sh_down = make_linear(m->H, m->Is, false, 2.0f / sqrtf((float)m->Is));
+    }
+    return lw;
+}
+
+/* The gap between the k-th and (k+1)-th router key of row x, in double. */
+static double route_gap(const moe_cfg *m, const m3_layer_weights *hw, const uint16_t *x) {
+    double keys[64], kth = 0, next = -INFINITY;
+    const float *router = hw->router.data, *bias = hw->router_bias.data;
+    for (int e = 0; e < m->E; e++) {
+        double l = 0;
+        for (int i = 0; i < m->H; i++)
+            l += (double)m3_bf16_to_f32(x[i]) * router[(size_t)e * m->H + i];
+        keys[e] = 1.0 / (1.0 + exp(-l)) + (bias ? bias[e] : 0.0);
+    }
+    uint64_t taken = 0;
+    for (int j = 0; j <= m->k && j < m->E; j++) {
+        int best = -1;
+        for (int e = 0; e < m->E; e++)
+            if (!(taken >> e & 1) && (best < 0 || keys[e] > keys[best]))
+                best = e;
+        taken |= 1ull << best;
+        *(j < m->k ? &kth : &next) = keys[best];
+    }
+    return kth - next;
+}
+
+/* Rows of x whose expert choice is a near-tie are drawn again: the GPU's
+ * fp32 router (and its expf) may break such a tie the other way, which
+ * changes the row's output by O(1) without any kernel being wrong. */
+static void moe_avoid_ties(const moe_cfg *m, const m3_layer_weights *hw, uint16_t *x, int rows) {
+    for (int t = 0; t < rows; t++)
+        for (int tries = 0; tries < 20 && route_gap(m, hw, x + (int64_t)t * m->H) < 1e-4;
+             tries++)
+            for (int i = 0; i < m->H; i++)
+                x[(int64_t)t * m->H + i] = m3_f32_to_bf16(rng_val(1.0f));
+}
+
+static void moe_rows(const moe_cfg *m, const m3_layer_weights *hw, const m3_layer_weights *dw,
+                     int rows) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "E %d k %d %s%s%s, rows %d, H %d I %d", m->E, m->k,
+             m->fp8 ? "mxfp8" : "bf16", m->shared ? " +shared" : "", m->bias ? " +bias" : "",
+             rows, m->H, m->I);
+    m3_moe_params p = {m->E, m->k, 2.0f, {1.702f, 7.0f}};
+    int64_t n = (int64_t)rows * m->H;
+    uint16_t *x = rand_bf16(n, 1.0f), *ref = halloc((size_t)n * 2);
+    moe_avoid_ties(m, hw, x, rows);
+    cpu_must(g_cpu->ops->moe(g_cpu, rows, x, hw, &p, ref), "CPU moe");
+    void *out = dev_buf(NULL, (size_t)n * 2);
+    void *dx = dev_from(x, (size_t)n * 2);
+    m3_status e = gpu_done(g_gpu->ops->moe(g_gpu, rows, dx, dw, &p, out));
+    if (e) {
+        report_error("moe", shape, e);
+        return;
+    }
+    bool guard;
+    uint16_t *got = dev_fetch(out, (size_t)n * 2, &guard);
+    cmp c = compare_bf16(got, ref, n);
+    report("moe", shape, &c, TOL_BF16, guard, " (wrote past the end)");
+}
+
+/* One layer's weights uploaded through the CUDA backend's own load_weights
+ * (experts at the uniform stride its kernels index by), then every row
+ * count. */
+static void moe_config(const moe_cfg *m, int prefill_rows) {
+    static const int rows_list[] = {1, 4, 16, 64};
+    m3_layer_weights hw = moe_weights(m);
+    m3_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.num_layers = 1;
+    cfg.num_experts = m->E;
+    cfg.experts_per_tok = m->k;
+    m3_weights host = {.layers = &hw}, dev;
+    m3_status st = g_gpu->ops->load_weights(g_gpu, &cfg, &host, &dev);
+    if (st) {
+        report_error("moe", "load_weights of one MoE layer", st);
+        release_all();
+        return;
+    }
+    for (size_t i = 0; i < sizeof rows_list / sizeof *rows_list; i++)
+        moe_rows(m, &hw, &dev.layers[0], rows_list[i]);
+    if (prefill_rows)
+        moe_rows(m, &hw, &dev.layers[0], prefill_rows);
+    g_gpu->ops->unload_weights(g_gpu, &cfg, &dev);
+    release_all();
+}
+
+static void test_moe(void) {
+    for (int shape = 0; shape < 2; shape++)
+        for (int variant = 0; variant < 8; variant++) {
+            moe_cfg m = {shape ? 8 : 16, shape ? 2 : 4, 1024, 256, 256, (variant & 1) != 0,
+                         (variant & 2) != 0, (variant & 4) != 0};
+            moe_config(&m, 0);
+        }
+    /* the `tiny` and `small` presets' layers over a 700-token prompt */
+    moe_cfg tiny = {8, 2, 256, 128, 128, true, true, false};
+    moe_cfg small = {16, 4, 1024, 256, 256, true, true, false};
+    moe_config(&tiny, 700);
+    moe_config(&small, 700);
+}
+
+/* ------------------------------------------------------------ sample */
+
+/* Row r of a greedy test: plain random logits, with by r % 6 a tie for the
+ * maximum, NaNs (one where the maximum would be), all NaN, two +inf, only
+ * -inf and NaN. */
+static void sample_row(float *l, int V, int r) {
+    for (int i = 0; i < V; i++)
+        l[i] = (float)(rng_unit() * 6.0 - 3.0);
+    int a = rng_below(V), b = rng_below(V);
+    switch (r % 6) {
+    case 1: l[a] = l[b] = 10.0f; break;
+    case 2:
+        for (int i = 0; i < V; i += 7)
+            l[i] = NAN;
+        l[a] = NAN, l[b] = 9.0f;
+        break;
+    case 3:
+        if (r == 3)
+            for (int i = 0; i < V; i++)
+                l[i] = NAN;
+        break;
+    case 4: l[a] = l[b] = INFINITY; break;
+    case 5:
+        for (int i = 0; i < V; i++)
+            l[i] = i % 3 ? -INFINITY : NAN;
+        break;
+    default: l[V - 1] = 20.0f; break; /* the last id */
+    }
+}
+
+static void sample_case(int rows, int V) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "greedy, rows %d V %d", rows, V);
+    float *l = halloc((size_t)rows * V * 4);
+    int32_t *ref = halloc((size_t)rows * 4);
+    int64_t *counter = halloc((size_t)rows * 8);
+    for (int r = 0; r < rows; r++) {
+        sample_row(l + (int64_t)r * V, V, r);
+        ref[r] = gpu_argmax(l + (int64_t)r * V, V);
+        counter[r] = r;
+    }
+    void *out = dev_buf(NULL, (size_t)rows * 4);
+    m3_status e = gpu_done(g_gpu->ops->sample(g_gpu, rows, dev_from(l, (size_t)rows * V * 4), V,
+                                              0.0f, 1234, dev_from(counter, (size_t)rows * 8),
+                                              out));
+    if (e) {
+        report_error("sample", shape, e);
+    } else {
+        bool guard;
+        int32_t *got = dev_fetch(out, (size_t)rows * 4, &guard);
+        cmp c = compare_i32(got, ref, rows);
+        report("sample", shape, &c, EXACT, guard, " (wrote past the end)");
+    }
+    release_all();
+}
+
+/* Temperature 1 with one logit 60 above the rest: the draw is that id
+ * (its probability is 1 - V e^-60), and the same keys draw the same. */
+static void sample_temperature(int rows, int V) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "T=1 peaked, rows %d V %d, twice", rows, V);
+    float *l = halloc((size_t)rows * V * 4);
+    int32_t *ref = halloc((size_t)rows * 4);
+    int64_t *counter = halloc((size_t)rows * 8);
+    for (int r = 0; r < rows; r++) {
+        for (int i = 0; i < V; i++)
+            l[(int64_t)r * V + i] = (float)rng_unit();
+        ref[r] = rng_below(V);
+        l[(int64_t)r * V + ref[r]] = 61.0f;
+        counter[r] = 1000 + r;
+    }
+    void *dl = dev_from(l, (size_t)rows * V * 4), *dc = dev_from(counter, (size_t)rows * 8);
+    void *o1 = dev_buf(NULL, (size_t)rows * 4), *o2 = dev_buf(NULL, (size_t)rows * 4);
+    m3_status e = gpu_done(g_gpu->ops->sample(g_gpu, rows, dl, V, 1.0f, 99, dc, o1));
+    if (!e)
+        e = gpu_done(g_gpu->ops->sample(g_gpu, rows, dl, V, 1.0f, 99, dc, o2));
+    if (e) {
+        report_error("sample", shape, e);
+    } else {
+        bool g1, g2;
+        int32_t *t1 = dev_fetch(o1, (size_t)rows * 4, &g1), *t2 = dev_fetch(o2, (size_t)rows * 4, &g2);
+        cmp c = compare_i32(t1, ref, rows);
+        bool same = memcmp(t1, t2, (size_t)rows * 4) == 0;
+        report("sample", shape, &c, EXACT, g1 && g2 && same,
+               same ? " (wrote past the end)" : " (same keys drew different tokens)");
+    }
+    release_all();
+}
+
+static void test_sample(void) {
+    sample_case(1, 200064);
+    sample_case(6, 200064);
+    sample_case(16, 8192);
+    sample_case(12, 1000);
+    sample_case(3, 1);
+    sample_temperature(5, 8192);
+}
+
+/* ------------------------------------------------------------ main */
+
+static void print_summary(double seconds) {
+    printf("\n%-16s %6s %6s %12s %12s %12s\n", "op", "cases", "fails", "worst relL2",
+           "worst maxabs", "mismatches");
+    for (int i = 0; i < g_n_sum; i++) {
+        const op_summary *s = &g_sum[i];
+        printf("%-16s %6d %6d %12.3g %12.3g %12lld\n", s->op, s->cases, s->fails, s->worst_rel,
+               s->worst_abs, (long long)s->mismatches);
+    }
+    printf("\ntest_cuda_ops: %d of %d cases passed (%.1f s)%s\n", g_cases - g_fails, g_cases,
+           seconds, g_fails ? " -- FAILED" : "");
+}
+
+int main(void) {
+    m3_status st = m3_cuda_backend_create(0, &g_gpu);
+    if (st && gpu_no_device(st)) {
+        printf("SKIP: no CUDA device: %s\n", m3_last_error());
+        return GPU_TEST_SKIP;
+    }
+    if (st) {
+        fprintf(stderr, "test_cuda_ops: FAILED: creating the CUDA backend: %s: %s\n",
+                m3_status_name(st), m3_last_error());
+        return 1;
+    }
+    if (m3_cpu_backend_create(0, &g_cpu))
+        die("creating the CPU backend");
+    g_rng = gpu_test_seed(0x9e5eed01ull);
+    printf("test_cuda_ops: seed %llu (set M3_TEST_SEED to vary); bf16 tol %.0e, f32 tol %.0e\n",
+           (unsigned long long)g_rng, TOL_BF16, TOL_F32);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    test_embed_gather();
+    test_add_rmsnorm();
+    test_linear();
+    test_head_norm_rope();
+    test_cache_write();
+    test_index_scores();
+    test_select_blocks();
+    test_attention();
+    test_swiglu();
+    test_moe();
+    test_sample();
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    print_summary((double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
+    g_gpu->ops->destroy(g_gpu);
+    g_cpu->ops->destroy(g_cpu);
+    return g_fails ? 1 : 0;
+}
