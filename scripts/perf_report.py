@@ -86,6 +86,7 @@ def main():
                 ax.plot([r for r, _ in pts], [x for _, x in pts], marker="o", label=n)
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # eager PyTorch is tens of times the floor
         ax.set_xlabel("rows")
         ax.set_ylabel("time / floor")
         ax.set_title(f"context {ctx}")

@@ -155,21 +155,22 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_w
     }
 }
 
-/* The full K loop for one warp's rows; x rows via row_ptr; returns the sums
- * reduced over the warp (valid in every lane). Every thread of the CTA must
- * call it (it synchronises the CTA). */
+/* The K loop over [k0, k1) (k0 a multiple of GEMV_KC) for one warp's
+ * rows; x rows via row_ptr (row t starts at element 0 of its K); returns
+ * the sums reduced over the warp (valid in every lane). Every thread of the
+ * CTA must call it (it synchronises the CTA). */
 template <int T, bool FP8, typename RowPtr>
 __device__ __forceinline__ void gemv_rows(float (&acc)[GEMV_R][T], const gemv_weight &W,
-                                          int64_t n0, int64_t N, int K, RowPtr row_ptr, int rows,
-                                          uint16_t *xs) {
+                                          int64_t n0, int64_t N, int k0, int k1, RowPtr row_ptr,
+                                          int rows, uint16_t *xs) {
     int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < GEMV_R; r++)
 #pragma unroll
         for (int t = 0; t < T; t++)
             acc[r][t] = 0.0f;
-    for (int kc = 0; kc < K; kc += GEMV_KC) {
-        int kn = K - kc < GEMV_KC ? K - kc : GEMV_KC;
+    for (int kc = k0; kc < k1; kc += GEMV_KC) {
+        int kn = k1 - kc < GEMV_KC ? k1 - kc : GEMV_KC;
         __syncthreads(); /* the previous chunk is consumed */
         gemv_stage_x<T>(xs, row_ptr, rows, kc, kn);
         __syncthreads();

@@ -13,16 +13,19 @@
 #include "cuda/cuda_gemv.cuh"
 #include "cuda/cuda_internal.h"
 
+/* out (or, split over K, the fp32 partial of K slice blockIdx.y into part
+ * [splits, rows, N]) of this CTA's GEMV_WARPS * GEMV_R output rows. */
 template <int T, bool FP8, bool OUT_F32>
 __global__ void __launch_bounds__(GEMV_THREADS)
     linear_gemv_kernel(gemv_weight W, const uint16_t *__restrict__ x, int rows, int K, int64_t N,
-                       void *__restrict__ out) {
+                       int k_slice, void *__restrict__ out, float *__restrict__ part) {
     extern __shared__ uint4 smem_x[];
     uint16_t *xs = reinterpret_cast<uint16_t *>(smem_x);
     int64_t n0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_R;
+    int k0 = blockIdx.y * k_slice, k1 = min(K, k0 + k_slice);
     float acc[GEMV_R][T];
     auto row_ptr = [&](int t) { return x + (int64_t)t * K; };
-    gemv_rows<T, FP8>(acc, W, n0, N, K, row_ptr, rows, xs);
+    gemv_rows<T, FP8>(acc, W, n0, N, k0, k1, row_ptr, rows, xs);
     int lane = threadIdx.x & 31;
     /* lane j stores (r, t) = (j / T, j % T) so stores spread over the warp */
 #pragma unroll
@@ -32,11 +35,67 @@ __global__ void __launch_bounds__(GEMV_THREADS)
             if ((r * T + t) % 32 != lane || n0 + r >= N || t >= rows)
                 continue;
             int64_t o = (int64_t)t * N + n0 + r;
-            if (OUT_F32)
+            if (part)
+                part[(int64_t)blockIdx.y * rows * N + o] = acc[r][t];
+            else if (OUT_F32)
                 static_cast<float *>(out)[o] = acc[r][t];
             else
                 static_cast<uint16_t *>(out)[o] = m3_to_bf(acc[r][t]);
         }
+}
+
+/* out = the sum of the K slices' partials, in slice order (deterministic). */
+__global__ void linear_splitk_finish_kernel(const float *__restrict__ part, int splits,
+                                            int64_t n, bool out_f32, void *__restrict__ out) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n)
+        return;
+    float v = 0.0f;
+    for (int s = 0; s < splits; s++)
+        v += part[(int64_t)s * n + i];
+    if (out_f32)
+        static_cast<float *>(out)[i] = v;
+    else
+        static_cast<uint16_t *>(out)[i] = m3_to_bf(v);
+}
+
+/* Slices of K (multiples of GEMV_KC) so a narrow weight still puts about
+ * two CTAs on every multiprocessor: with few output rows the loads in
+ * flight, not the bytes, bound the time. */
+static int k_splits(const m3_cuda *cu, int64_t n_tiles, int K) {
+    int chunks = (K + GEMV_KC - 1) / GEMV_KC;
+    int64_t want = 2 * (int64_t)cu->sm_count;
+    if (n_tiles >= want || chunks < 2)
+        return 1;
+    int64_t s = (want + n_tiles - 1) / n_tiles;
+    return (int)(s < chunks ? s : chunks);
+}
+
+/* Launch the GEMV (split over K when the grid is narrow) and finish. */
+template <int T, bool FP8>
+static m3_status launch_linear(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
+                               int K, int64_t N, bool out_f32, void *out, float *part,
+                               int splits) {
+    unsigned n_tiles = (unsigned)((N + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R));
+    int chunks = (K + GEMV_KC - 1) / GEMV_KC;
+    int k_slice = (chunks + splits - 1) / splits * GEMV_KC;
+    dim3 grid(n_tiles, (unsigned)splits);
+    size_t smem = (size_t)T * GEMV_KC * sizeof(uint16_t);
+    float *p = splits > 1 ? part : nullptr;
+    if (out_f32)
+        linear_gemv_kernel<T, FP8, true><<<grid, GEMV_THREADS, smem, cu->stream>>>(
+            W, x, rows, K, N, k_slice, out, p);
+    else
+        linear_gemv_kernel<T, FP8, false><<<grid, GEMV_THREADS, smem, cu->stream>>>(
+            W, x, rows, K, N, k_slice, out, p);
+    M3_CUDA_LAUNCHED("linear_gemv_kernel");
+    if (splits > 1) {
+        int64_t n = (int64_t)rows * N;
+        linear_splitk_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
+            part, splits, n, out_f32, out);
+        M3_CUDA_LAUNCHED("linear_splitk_finish_kernel");
+    }
+    return M3_OK;
 }
 
 /* One thread per output: any K, any alignment. */
@@ -60,29 +119,24 @@ __global__ void linear_scalar_kernel(gemv_weight W, bool fp8, const uint16_t *x,
         static_cast<uint16_t *>(out)[i] = m3_to_bf(acc);
 }
 
-template <int T, bool FP8, bool OUT_F32>
-static m3_status launch_gemv_t(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
-                               int K, int64_t N, void *out) {
-    unsigned grid = (unsigned)((N + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R));
-    size_t smem = (size_t)T * GEMV_KC * sizeof(uint16_t);
-    linear_gemv_kernel<T, FP8, OUT_F32><<<grid, GEMV_THREADS, smem, cu->stream>>>(W, x, rows, K,
-                                                                                  N, out);
-    M3_CUDA_LAUNCHED("linear_gemv_kernel");
-    return M3_OK;
-}
-
-template <bool FP8, bool OUT_F32>
+template <bool FP8>
 static m3_status launch_gemv(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
-                             int K, int64_t N, void *out) {
+                             int K, int64_t N, bool out_f32, void *out) {
+    int64_t n_tiles = (N + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R);
+    int splits = k_splits(cu, n_tiles, K);
+    float *part = NULL;
+    if (splits > 1)
+        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)splits * rows * N * 4,
+                                 (void **)&part));
     if (rows <= 1)
-        return launch_gemv_t<1, FP8, OUT_F32>(cu, W, x, rows, K, N, out);
+        return launch_linear<1, FP8>(cu, W, x, rows, K, N, out_f32, out, part, splits);
     if (rows <= 2)
-        return launch_gemv_t<2, FP8, OUT_F32>(cu, W, x, rows, K, N, out);
+        return launch_linear<2, FP8>(cu, W, x, rows, K, N, out_f32, out, part, splits);
     if (rows <= 4)
-        return launch_gemv_t<4, FP8, OUT_F32>(cu, W, x, rows, K, N, out);
+        return launch_linear<4, FP8>(cu, W, x, rows, K, N, out_f32, out, part, splits);
     if (rows <= 8)
-        return launch_gemv_t<8, FP8, OUT_F32>(cu, W, x, rows, K, N, out);
-    return launch_gemv_t<16, FP8, OUT_F32>(cu, W, x, rows, K, N, out);
+        return launch_linear<8, FP8>(cu, W, x, rows, K, N, out_f32, out, part, splits);
+    return launch_linear<16, FP8>(cu, W, x, rows, K, N, out_f32, out, part, splits);
 }
 
 static bool vector_ok(const m3_linear *w, const void *x, int64_t K) {
@@ -122,10 +176,8 @@ static m3_status gemv_dispatch(m3_cuda *cu, int rows, const uint16_t *x, const m
         return M3_OK;
     }
     if (fp8)
-        return out_f32 ? launch_gemv<true, true>(cu, W, x, rows, (int)K, N, out)
-                       : launch_gemv<true, false>(cu, W, x, rows, (int)K, N, out);
-    return out_f32 ? launch_gemv<false, true>(cu, W, x, rows, (int)K, N, out)
-                   : launch_gemv<false, false>(cu, W, x, rows, (int)K, N, out);
+        return launch_gemv<true>(cu, W, x, rows, (int)K, N, out_f32, out);
+    return launch_gemv<false>(cu, W, x, rows, (int)K, N, out_f32, out);
 }
 
 extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
@@ -152,47 +204,116 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
 
 /* ------------------------------------------------------------ fp32 weights */
 
-/* out[t, n] = x[t] . w[n] with fp32 weights (the router): one warp per
- * output row n, all rows t at once (rows <= 16 per launch). */
+/* out[t, n] = x[t] . w[n] with fp32 weights (the router), split over K:
+ * one warp per output row n, each lane 4 consecutive weights per 16-byte
+ * load, the T rows of x staged in shared memory a chunk at a time; the
+ * partial of K slice blockIdx.y goes to part [splits, rows, N]. */
 template <int T>
-__global__ void linear_f32w_kernel(const float *__restrict__ w, const uint16_t *__restrict__ x,
-                                   int rows, int64_t K, int64_t N, float *__restrict__ out) {
-    int64_t n = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+__global__ void __launch_bounds__(GEMV_THREADS)
+    linear_f32w_kernel(const float *__restrict__ w, const uint16_t *__restrict__ x, int rows,
+                       int K, int64_t N, int k_slice, float *__restrict__ part) {
+    extern __shared__ uint4 smem_x[];
+    uint16_t *xs = reinterpret_cast<uint16_t *>(smem_x);
+    int64_t n = (int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
-    if (n >= N)
-        return;
+    int k0 = blockIdx.y * k_slice, k1 = min(K, k0 + k_slice);
     float acc[T];
 #pragma unroll
     for (int t = 0; t < T; t++)
         acc[t] = 0.0f;
-    const float *row = w + n * K;
-    for (int64_t k = lane; k < K; k += 32) {
-        float wk = __ldg(row + k);
+    auto row_ptr = [&](int t) { return x + (int64_t)t * K; };
+    for (int kc = k0; kc < k1; kc += GEMV_KC) {
+        int kn = k1 - kc < GEMV_KC ? k1 - kc : GEMV_KC;
+        __syncthreads();
+        gemv_stage_x<T>(xs, row_ptr, rows, kc, kn);
+        __syncthreads();
+        if (n >= N)
+            continue;
+        float4 wv[GEMV_KC / 128];
 #pragma unroll
-        for (int t = 0; t < T; t++)
-            if (t < rows)
-                acc[t] += wk * m3_bf(x[(int64_t)t * K + k]);
+        for (int u = 0; u < GEMV_KC / 128; u++) { /* all loads first: many in flight */
+            int k = u * 128 + lane * 4;
+            wv[u] = k < kn ? __ldg(reinterpret_cast<const float4 *>(w + n * K + kc + k))
+                           : make_float4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_KC / 128; u++) {
+            int k = u * 128 + lane * 4;
+            if (k >= kn)
+                continue;
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                const uint16_t *xr = xs + t * GEMV_KC + k;
+                acc[t] += wv[u].x * m3_bf(xr[0]) + wv[u].y * m3_bf(xr[1]) +
+                          wv[u].z * m3_bf(xr[2]) + wv[u].w * m3_bf(xr[3]);
+            }
+        }
     }
 #pragma unroll
     for (int t = 0; t < T; t++) {
         float v = m3_warp_sum(acc[t]);
-        if (lane == 0 && t < rows)
-            out[(int64_t)t * N + n] = v;
+        if (lane == 0 && n < N && t < rows)
+            part[((int64_t)blockIdx.y * rows + t) * N + n] = v;
     }
+}
+
+/* One thread per output: any K, any alignment (the fallback). */
+__global__ void linear_f32w_scalar_kernel(const float *w, const uint16_t *x, int rows, int64_t K,
+                                          int64_t N, float *out) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)rows * N)
+        return;
+    int64_t t = i / N, n = i % N;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < K; k++)
+        acc += w[n * K + k] * m3_bf(x[t * K + k]);
+    out[i] = acc;
+}
+
+template <int T>
+static m3_status launch_f32w(m3_cuda *cu, const uint16_t *x, const float *w, int rows, int K,
+                             int64_t N, float *out) {
+    int64_t n_tiles = (N + GEMV_WARPS - 1) / GEMV_WARPS;
+    int splits = k_splits(cu, n_tiles, K);
+    int chunks = (K + GEMV_KC - 1) / GEMV_KC;
+    int k_slice = (chunks + splits - 1) / splits * GEMV_KC;
+    float *part = out;
+    if (splits > 1)
+        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)splits * rows * N * 4,
+                                 (void **)&part));
+    dim3 grid((unsigned)n_tiles, (unsigned)splits);
+    size_t smem = (size_t)T * GEMV_KC * sizeof(uint16_t);
+    linear_f32w_kernel<T><<<grid, GEMV_THREADS, smem, cu->stream>>>(w, x, rows, K, N, k_slice,
+                                                                      part);
+    M3_CUDA_LAUNCHED("linear_f32w_kernel");
+    if (splits > 1) {
+        int64_t n = (int64_t)rows * N;
+        linear_splitk_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
+            part, splits, n, true, out);
+        M3_CUDA_LAUNCHED("linear_splitk_finish_kernel");
+    }
+    return M3_OK;
 }
 
 extern "C" m3_status m3_cuda_linear_f32w(m3_cuda *cu, int rows, const uint16_t *x,
                                          const float *w, int64_t n, int64_t k, float *out) {
+    bool vec = k % 8 == 0 && ((uintptr_t)x | (uintptr_t)w) % 16 == 0 && k < INT32_MAX;
     for (int r0 = 0; r0 < rows; r0 += GEMV_MAX_T) {
         int cnt = rows - r0 < GEMV_MAX_T ? rows - r0 : GEMV_MAX_T;
-        unsigned grid = (unsigned)((n + 7) / 8);
         const uint16_t *xr = x + (int64_t)r0 * k;
         float *o = out + (int64_t)r0 * n;
-        if (cnt <= 4)
-            linear_f32w_kernel<4><<<grid, 256, 0, cu->stream>>>(w, xr, cnt, k, n, o);
-        else
-            linear_f32w_kernel<16><<<grid, 256, 0, cu->stream>>>(w, xr, cnt, k, n, o);
-        M3_CUDA_LAUNCHED("linear_f32w_kernel");
+        if (!vec) {
+            int64_t total = (int64_t)cnt * n;
+            linear_f32w_scalar_kernel<<<(unsigned)((total + 255) / 256), 256, 0, cu->stream>>>(
+                w, xr, cnt, k, n, o);
+            M3_CUDA_LAUNCHED("linear_f32w_scalar_kernel");
+        } else if (cnt <= 1) {
+            M3_TRY(launch_f32w<1>(cu, xr, w, cnt, (int)k, n, o));
+        } else if (cnt <= 4) {
+            M3_TRY(launch_f32w<4>(cu, xr, w, cnt, (int)k, n, o));
+        } else {
+            M3_TRY(launch_f32w<16>(cu, xr, w, cnt, (int)k, n, o));
+        }
     }
     return M3_OK;
 }

@@ -155,8 +155,8 @@ __global__ void __launch_bounds__(GEMV_THREADS)
         int rows = first[u + 1] - g0 < T ? first[u + 1] - g0 : T;
         auto row_ptr = [&](int t) { return x + (int64_t)(members[g0 + t] / k) * H; };
         float g[GEMV_R][T], v[GEMV_R][T];
-        gemv_rows<T, FP8>(g, Wg, n0, I, H, row_ptr, rows, xs);
-        gemv_rows<T, FP8>(v, Wu, n0, I, H, row_ptr, rows, xs);
+        gemv_rows<T, FP8>(g, Wg, n0, I, 0, H, row_ptr, rows, xs);
+        gemv_rows<T, FP8>(v, Wu, n0, I, 0, H, row_ptr, rows, xs);
 #pragma unroll
         for (int r = 0; r < GEMV_R; r++)
 #pragma unroll
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(GEMV_THREADS)
         int rows = first[u + 1] - g0 < T ? first[u + 1] - g0 : T;
         auto row_ptr = [&](int t) { return act + (int64_t)members[g0 + t] * I; };
         float y[GEMV_R][T];
-        gemv_rows<T, FP8>(y, W, n0, H, I, row_ptr, rows, xs);
+        gemv_rows<T, FP8>(y, W, n0, H, 0, I, row_ptr, rows, xs);
 #pragma unroll
         for (int r = 0; r < GEMV_R; r++)
 #pragma unroll
@@ -301,16 +301,16 @@ static m3_status launch_experts(m3_cuda *cu, int rows, const expert_weights &g,
                                 const expert_weights &u, const expert_weights &d,
                                 const uint16_t *x, int slots, int k, int H, int I,
                                 const m3_moe_params *p, const moe_ws &w) {
-    /* an expert's members are at most the step's rows */
+    /* An expert's members are at most the step's rows, and in decode
+     * usually one or two (k of E experts per row): the kernels take up to
+     * 4 members per pass, so the FMA work stays a few per weight element
+     * (a 16-row template did 16 and was arithmetic-bound), and an expert
+     * with more members streams its weights once per 4. */
     if (rows <= 1)
         return launch_experts_t<1, FP8>(cu, g, u, d, x, slots, k, H, I, p, w);
     if (rows <= 2)
         return launch_experts_t<2, FP8>(cu, g, u, d, x, slots, k, H, I, p, w);
-    if (rows <= 4)
-        return launch_experts_t<4, FP8>(cu, g, u, d, x, slots, k, H, I, p, w);
-    if (rows <= 8)
-        return launch_experts_t<8, FP8>(cu, g, u, d, x, slots, k, H, I, p, w);
-    return launch_experts_t<16, FP8>(cu, g, u, d, x, slots, k, H, I, p, w);
+    return launch_experts_t<4, FP8>(cu, g, u, d, x, slots, k, H, I, p, w);
 }
 
 static m3_status check_shapes(const m3_layer_weights *lw, const m3_moe_params *p, int64_t H,

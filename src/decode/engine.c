@@ -196,10 +196,13 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
     if (!st)
         st = e->opts.device == M3_DEVICE_CUDA ? m3_cuda_backend_create(e->opts.gpu, &e->be)
                                               : m3_cpu_backend_create(e->opts.threads, &e->be);
-    /* a backend with graphs sees capacity-wide block tables, so one
-     * captured step serves every context length */
-    if (!st)
+    if (!st) {
         e->graphs = e->opts.graphs && e->be->ops->graph_begin != NULL;
+        /* a backend with graphs always sees capacity-wide block tables, so
+         * one captured step serves every context length and eager steps
+         * launch exactly the kernels a replay would (bit-identical) */
+        e->stable_width = e->be->ops->graph_begin != NULL;
+    }
     if (!st)
         st = m3_comm_create_single(&e->comm);
     if (!st)
@@ -315,7 +318,7 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
     }
     /* the table is as wide as the step's longest sequence needs, or, for a
      * backend replaying graphs, as wide as the context allows */
-    if (e->graphs)
+    if (e->stable_width)
         width = e->max_blocks;
     st->max_blocks = width;
     for (int r = 0; r < n_reqs; r++) {

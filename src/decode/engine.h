@@ -65,6 +65,7 @@ struct m3_engine {
     m3_layer_range_executor *executor;
     int64_t mono_steps, stock_steps, graph_replays;
     bool graphs;         /* capture and replay decode steps */
+    bool stable_width;   /* block tables always max_blocks wide */
     void *graph[M3_GRAPH_BUCKETS];
     int32_t *tokens_dev; /* [R] sampled tokens */
     int64_t *counter_dev;/* [R] sampling counters */
