@@ -59,6 +59,15 @@ __global__ void linear_splitk_finish_kernel(const float *__restrict__ part, int 
         static_cast<uint16_t *>(out)[i] = m3_to_bf(v);
 }
 
+/* Sum the partials of `splits` K slices into out (n values). */
+static m3_status finish_splitk(m3_cuda *cu, const float *part, int splits, int64_t n,
+                               bool out_f32, void *out) {
+    linear_splitk_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
+        part, splits, n, out_f32, out);
+    M3_CUDA_LAUNCHED("linear_splitk_finish_kernel");
+    return M3_OK;
+}
+
 /* Slices of K (multiples of GEMV_KC) so a narrow weight still puts about
  * two CTAs on every multiprocessor: with few output rows the loads in
  * flight, not the bytes, bound the time. */
@@ -89,13 +98,7 @@ static m3_status launch_linear(m3_cuda *cu, const gemv_weight &W, const uint16_t
         linear_gemv_kernel<T, FP8, false><<<grid, GEMV_THREADS, smem, cu->stream>>>(
             W, x, rows, K, N, k_slice, out, p);
     M3_CUDA_LAUNCHED("linear_gemv_kernel");
-    if (splits > 1) {
-        int64_t n = (int64_t)rows * N;
-        linear_splitk_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
-            part, splits, n, out_f32, out);
-        M3_CUDA_LAUNCHED("linear_splitk_finish_kernel");
-    }
-    return M3_OK;
+    return splits > 1 ? finish_splitk(cu, part, splits, (int64_t)rows * N, out_f32, out) : M3_OK;
 }
 
 /* One thread per output: any K, any alignment. */
@@ -286,13 +289,7 @@ static m3_status launch_f32w(m3_cuda *cu, const uint16_t *x, const float *w, int
     linear_f32w_kernel<T><<<grid, GEMV_THREADS, smem, cu->stream>>>(w, x, rows, K, N, k_slice,
                                                                       part);
     M3_CUDA_LAUNCHED("linear_f32w_kernel");
-    if (splits > 1) {
-        int64_t n = (int64_t)rows * N;
-        linear_splitk_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
-            part, splits, n, true, out);
-        M3_CUDA_LAUNCHED("linear_splitk_finish_kernel");
-    }
-    return M3_OK;
+    return splits > 1 ? finish_splitk(cu, part, splits, (int64_t)rows * N, true, out) : M3_OK;
 }
 
 extern "C" m3_status m3_cuda_linear_f32w(m3_cuda *cu, int rows, const uint16_t *x,
