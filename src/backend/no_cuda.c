@@ -33,6 +33,11 @@ m3_status m3_cuda_fill_random_bf16(m3_backend *be, void *dst, size_t n, uint64_t
 m3_status m3_cuda_moe_unique_experts(m3_backend *be, int *n) {
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
+
+m3_status m3_cuda_bench_linear(m3_backend *be, int rows, int64_t n, int64_t k, int iters,
+                               double *gemv_us, double *cublas_us) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
 #else
 typedef int m3_no_cuda_unused; /* ISO C forbids an empty translation unit */
 #endif

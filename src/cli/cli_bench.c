@@ -10,6 +10,7 @@
 
 #include "bench/bench_layer.h"
 #include "cli/cli.h"
+#include "cuda/cuda_bench.h"
 
 static void bench_usage(FILE *f) {
     fprintf(f,
@@ -21,7 +22,10 @@ static void bench_usage(FILE *f) {
             "                  synthesized on first use into the model cache\n"
             "  --layer L       the layer to time (default: the first sparse MoE layer)\n"
             "  --iters N       timed graph replays per point (default 50)\n"
-            "  --json          print JSON instead of the table\n");
+            "  --json          print JSON instead of the table\n"
+            "\n"
+            "       m3 bench linear [--rows 1,2,4,8,16] [--shapes NxK,...] [--iters N]\n"
+            "  the decode GEMV against cuBLAS (default: one m3-tp4-rank layer's shapes)\n");
 }
 
 /* "1,2,4" -> values; false with a message on a bad list. */
@@ -145,13 +149,73 @@ static int parse_args(int argc, char **argv, m3_bench_layer_opts *o, const char 
     return CLI_OK;
 }
 
+/* `m3 bench linear`: the decode GEMV against cuBLAS on the projection
+ * shapes of one m3-tp4-rank layer (or --shapes NxK,...), per row count. */
+static int bench_linear(int argc, char **argv) {
+    int64_t rows[M3_BENCH_MAX_POINTS] = {1, 2, 4, 8, 16}, v;
+    int n_rows = 5, iters = 50, gpu = 0;
+    int64_t shapes[M3_BENCH_MAX_POINTS][2] = {
+        {2048, 6144}, {6144, 2048}, {128, 6144}, {768, 6144}, {6144, 768}};
+    int n_shapes = 5;
+    for (int i = 2; i < argc; i++) {
+        const char *f = argv[i], *val = cli_value(argc, argv, &i);
+        if (!val)
+            return CLI_USAGE;
+        if (!strcmp(f, "--rows")) {
+            if (!parse_list(f, val, 1, 16, rows, &n_rows))
+                return CLI_USAGE;
+        } else if (!strcmp(f, "--iters") || !strcmp(f, "--gpu")) {
+            if (!cli_int(f, val, !strcmp(f, "--gpu") ? 0 : 1, 100000, &v))
+                return CLI_USAGE;
+            *(!strcmp(f, "--gpu") ? &gpu : &iters) = (int)v;
+        } else if (!strcmp(f, "--shapes")) {
+            n_shapes = 0;
+            for (const char *p = val; *p && n_shapes < M3_BENCH_MAX_POINTS;) {
+                long long a, b;
+                int used = 0;
+                if (sscanf(p, "%lldx%lld%n", &a, &b, &used) != 2 || a < 1 || b < 8 || b % 8) {
+                    fprintf(stderr, "m3 bench: --shapes wants NxK[,NxK...] with K a multiple "
+                                    "of 8, got '%s'\n", p);
+                    return CLI_USAGE;
+                }
+                shapes[n_shapes][0] = a;
+                shapes[n_shapes++][1] = b;
+                p += used;
+                p += *p == ',';
+            }
+        } else {
+            fprintf(stderr, "m3 bench: unknown option '%s'\n", f);
+            return CLI_USAGE;
+        }
+    }
+    m3_backend *be = NULL;
+    m3_status st = m3_cuda_backend_create(gpu, &be);
+    if (st)
+        return cli_report("bench", st);
+    printf("| N x K | rows | MB | gemv us (GB/s) | cuBLAS us (GB/s) | faster |\n");
+    printf("|---|---|---|---|---|---|\n");
+    for (int s = 0; s < n_shapes && !st; s++)
+        for (int r = 0; r < n_rows && !st; r++) {
+            double g, c, mb = (double)shapes[s][0] * shapes[s][1] * 2 / 1e6;
+            st = m3_cuda_bench_linear(be, (int)rows[r], shapes[s][0], shapes[s][1], iters, &g, &c);
+            if (!st)
+                printf("| %lld x %lld | %lld | %.1f | %.1f (%.0f) | %.1f (%.0f) | %s |\n",
+                       (long long)shapes[s][0], (long long)shapes[s][1], (long long)rows[r], mb,
+                       g, mb * 1e3 / g, c, mb * 1e3 / c, g <= c ? "gemv" : "cuBLAS");
+        }
+    be->ops->destroy(be);
+    return st ? cli_report("bench", st) : CLI_OK;
+}
+
 int cmd_bench(int argc, char **argv) {
+    if (argc >= 2 && !strcmp(argv[1], "linear"))
+        return bench_linear(argc, argv);
     if (argc < 2 || strcmp(argv[1], "layer")) {
         if (argc >= 2 && (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
             bench_usage(stdout);
             return CLI_OK;
         }
-        fprintf(stderr, "m3 bench: expected 'layer'\n");
+        fprintf(stderr, "m3 bench: expected 'layer' or 'linear'\n");
         bench_usage(stderr);
         return CLI_USAGE;
     }

@@ -2,6 +2,7 @@
  * The CUDA side of the benchmark instruments (see cuda_bench.h).
  */
 #include <algorithm>
+#include <string.h>
 #include <vector>
 
 #include "cuda/cuda_common.cuh"
@@ -122,4 +123,74 @@ extern "C" m3_status m3_cuda_moe_unique_experts(m3_backend *be, int *n) {
     M3_CUDA_TRY(cudaStreamSynchronize(cu->stream));
     *n = v;
     return M3_OK;
+}
+
+/* Median microseconds of iters runs of fn(i) between events. */
+template <typename Fn>
+static m3_status time_median(m3_cuda *cu, int iters, Fn fn, double *us) {
+    std::vector<float> ms;
+    cudaEvent_t a, b;
+    M3_CUDA_TRY(cudaEventCreate(&a));
+    M3_CUDA_TRY(cudaEventCreate(&b));
+    m3_status st = M3_OK;
+    for (int i = -3; i < iters && !st; i++) {
+        cudaEventRecord(a, cu->stream);
+        st = fn(i + 3);
+        cudaEventRecord(b, cu->stream);
+        cudaError_t err = cudaEventSynchronize(b);
+        float t = 0;
+        if (!st && err == cudaSuccess)
+            err = cudaEventElapsedTime(&t, a, b);
+        if (!st && err != cudaSuccess)
+            st = m3_cuda_error(err, "timing", __FILE__, __LINE__);
+        if (i >= 0)
+            ms.push_back(t);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    if (st)
+        return st;
+    std::sort(ms.begin(), ms.end());
+    *us = ms[ms.size() / 2] * 1e3;
+    return M3_OK;
+}
+
+extern "C" m3_status m3_cuda_bench_linear(m3_backend *be, int rows, int64_t n, int64_t k,
+                                          int iters, double *gemv_us, double *cublas_us) {
+    m3_cuda *cu = m3_cuda_of(be);
+    size_t wbytes = (size_t)(n * k * 2);
+    int copies = (int)std::min<size_t>(16, std::max<size_t>(1, (4 * cu->l2_bytes) / wbytes + 1));
+    uint16_t *w = NULL, *x = NULL, *out = NULL;
+    M3_CUDA_TRY(cudaMalloc(&w, wbytes * copies));
+    cudaError_t err = cudaMalloc(&x, (size_t)rows * k * 2);
+    if (err == cudaSuccess)
+        err = cudaMalloc(&out, (size_t)rows * n * 2);
+    m3_status st = err == cudaSuccess ? M3_OK : m3_cuda_error(err, "cudaMalloc", __FILE__, __LINE__);
+    if (!st)
+        st = m3_cuda_fill_random_bf16(be, w, (size_t)n * k * copies, 7, 0.05f);
+    if (!st)
+        st = m3_cuda_fill_random_bf16(be, x, (size_t)rows * k, 8, 1.0f);
+    auto view = [&](int i) {
+        m3_linear l;
+        memset(&l, 0, sizeof l);
+        int64_t ne[2] = {n, k};
+        l.w = m3_tensor_make(M3_DT_BF16, 2, ne, (char *)w + (size_t)(i % copies) * wbytes);
+        return l;
+    };
+    if (!st)
+        st = time_median(cu, iters, [&](int i) {
+            m3_linear l = view(i);
+            return m3_cuda_linear(be, rows, x, &l, M3_DT_BF16, out);
+        }, gemv_us);
+    if (!st)
+        st = time_median(cu, iters, [&](int i) {
+            m3_linear l = view(i);
+            return m3_cuda_linear_cublas(cu, rows, x, &l, M3_DT_BF16, out);
+        }, cublas_us);
+    cudaFree(w);
+    if (x)
+        cudaFree(x);
+    if (out)
+        cudaFree(out);
+    return st;
 }

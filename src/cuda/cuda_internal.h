@@ -113,6 +113,10 @@ m3_status m3_cuda_attention(m3_backend *be, const m3_step *step, int q_heads, in
 /* cuda_linear.cu */
 m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x, const m3_linear *w,
                          m3_dtype out_dtype, void *out);
+/* The same product through cuBLAS (bf16 weights only): what the decode
+ * GEMV is measured against (m3 bench linear). */
+m3_status m3_cuda_linear_cublas(m3_cuda *cu, int rows, const uint16_t *x, const m3_linear *w,
+                                m3_dtype out_dtype, void *out);
 /* fp32 weights [N, K] (the router): out [rows, N] fp32 */
 m3_status m3_cuda_linear_f32w(m3_cuda *cu, int rows, const uint16_t *x, const float *w,
                               int64_t n, int64_t k, float *out);

@@ -148,8 +148,8 @@ static bool vector_ok(const m3_linear *w, const void *x, int64_t K) {
     return K % 8 == 0 && a % 16 == 0 && w->w.nb[0] % 16 == 0 && (!fp8 || K % 32 == 0);
 }
 
-static m3_status cublas_linear(m3_cuda *cu, int rows, const uint16_t *x, const m3_linear *w,
-                               m3_dtype out_dtype, void *out) {
+extern "C" m3_status m3_cuda_linear_cublas(m3_cuda *cu, int rows, const uint16_t *x,
+                                            const m3_linear *w, m3_dtype out_dtype, void *out) {
     int64_t N = w->w.ne[0], K = w->w.ne[1];
     float alpha = 1.0f, beta = 0.0f;
     /* row-major out[T,N] = x[T,K] w[N,K]^T is column-major out^T = w x^T */
@@ -194,7 +194,7 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
     bool out_f32 = out_dtype == M3_DT_F32;
     int64_t N = w->w.ne[0], K = w->w.ne[1];
     if (rows > GEMV_MAX_T && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX)
-        return cublas_linear(cu, rows, x, w, out_dtype, out);
+        return m3_cuda_linear_cublas(cu, rows, x, w, out_dtype, out);
     /* MXFP8 (or odd shapes) past 16 rows: 16 rows per pass */
     size_t out_size = out_f32 ? 4 : 2;
     for (int r0 = 0; r0 < rows; r0 += GEMV_MAX_T) {
