@@ -13,8 +13,6 @@
 #include "cuda/cuda_gemv.cuh"
 #include "cuda/cuda_internal.h"
 
-#define CUBLAS_MIN_ROWS 8
-
 /* out (or, split over K, the fp32 partial of K slice blockIdx.y into part
  * [splits, rows, N]) of this CTA's GEMV_WARPS * GEMV_R output rows. */
 template <int T, bool FP8, bool OUT_F32>
@@ -195,10 +193,7 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
                        w->w.name ? w->w.name : "?", m3_dtype_name(w->w.dtype));
     bool out_f32 = out_dtype == M3_DT_F32;
     int64_t N = w->w.ne[0], K = w->w.ne[1];
-    /* From 8 rows cuBLAS beats the streaming GEMV on every projection
-     * shape of M3 (m3 bench linear, H200, docs/PERF.md): the GEMV's
-     * per-element FMA work grows with the rows; cuBLAS uses tensor cores. */
-    if (rows >= CUBLAS_MIN_ROWS && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX)
+    if (rows > GEMV_MAX_T && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX)
         return m3_cuda_linear_cublas(cu, rows, x, w, out_dtype, out);
     /* MXFP8 (or odd shapes) past 16 rows: 16 rows per pass */
     size_t out_size = out_f32 ? 4 : 2;
