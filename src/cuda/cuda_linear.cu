@@ -193,6 +193,10 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
                        w->w.name ? w->w.name : "?", m3_dtype_name(w->w.dtype));
     bool out_f32 = out_dtype == M3_DT_F32;
     int64_t N = w->w.ne[0], K = w->w.ne[1];
+    /* Decode rows stay on the GEMV even where cuBLAS is faster (8-16 rows,
+     * m3 bench linear): each row's sums then never depend on how many
+     * sequences share the step, so batching does not change anyone's
+     * tokens (docs/PERF.md). */
     if (rows > GEMV_MAX_T && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX)
         return m3_cuda_linear_cublas(cu, rows, x, w, out_dtype, out);
     /* MXFP8 (or odd shapes) past 16 rows: 16 rows per pass */
