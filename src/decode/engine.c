@@ -338,9 +338,10 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
     return op->upload(e->be, d->block_table, h->block_table, (size_t)n_reqs * width * 4);
 }
 
-/* The graph bucket of a decode step of `rows` rows, or -1. */
-static int graph_bucket(const m3_engine *e, const m3_step *st, int rows) {
-    if (!e->graphs || st->n_prefill > 0 || rows > M3_GRAPH_MAX_ROWS || e->executor)
+/* The graph bucket of a step of `rows` rows (decode: one token per request,
+ * each after a prefill), or -1. */
+static int graph_bucket(const m3_engine *e, bool decode, int rows) {
+    if (!e->graphs || !decode || rows > M3_GRAPH_MAX_ROWS || e->executor)
         return -1;
     int b = 0;
     while ((1 << b) < rows)
@@ -394,8 +395,7 @@ static m3_status step_forward(m3_engine *e, const m3_request *reqs, int n_reqs,
         bool decode = true;
         for (int q = 0; q < n_reqs; q++)
             decode = decode && reqs[q].n_tokens == 1 && e->cache.seqs[reqs[q].seq].len > 0;
-        m3_step probe = {.n_prefill = decode ? 0 : 1};
-        bucket = graph_bucket(e, &probe, rows);
+        bucket = graph_bucket(e, decode, rows);
         int padded = bucket >= 0 ? 1 << bucket : rows;
         st = build_step(e, reqs, n_reqs, rows, padded);
         if (!st && bucket >= 0)
