@@ -154,6 +154,16 @@ typedef struct m3_engine m3_engine;
 
 typedef enum m3_device { M3_DEVICE_CPU = 0, M3_DEVICE_CUDA = 1 } m3_device;
 
+/* How decode steps run: the stock op-by-op path; the mono path (fused
+ * per-layer executors, SPEC §5) wherever its plan allows, refusing to start
+ * when the model or deployment is unsupported; or auto: mono where the plan
+ * allows, stock otherwise (the reason printed once when mono is refused). */
+typedef enum m3_decode_path {
+    M3_DECODE_AUTO = 0,
+    M3_DECODE_STOCK,
+    M3_DECODE_MONO,
+} m3_decode_path;
+
 typedef struct m3_engine_opts {
     m3_device device;
     int gpu;                     /* CUDA device index */
@@ -162,6 +172,10 @@ typedef struct m3_engine_opts {
     int64_t max_tokens;          /* KV capacity in tokens over all sequences */
     int max_rows;                /* most rows in one step (prefill chunk) */
     int max_seqs;                /* most live sequences */
+    int tp;                      /* tensor-parallel ranks (0 or 1: none); CPU: ranks are threads */
+    int64_t tp_timeout_ms;       /* bound on every wait for a peer rank (0: 60 s) */
+    m3_decode_path decode;       /* default auto */
+    int mono_max_rows;           /* mono: most rows of a fused step (0: 16) */
 } m3_engine_opts;
 
 m3_engine_opts m3_engine_defaults(void);

@@ -21,6 +21,7 @@
 
 #include "core/tensor.h"
 #include "decode/step.h"
+#include "dist/comm.h"
 #include "m3.h"
 #include "model/model.h"
 
@@ -46,6 +47,7 @@ typedef struct m3_moe_params {
     int num_experts, top_k;
     float routed_scaling;
     m3_swiglu act;
+    m3_comm *tp; /* the TP group when the experts are sharded; NULL at TP 1 */
 } m3_moe_params;
 
 typedef struct m3_backend_ops {
@@ -65,9 +67,16 @@ typedef struct m3_backend_ops {
 
     /* ---- ops ---- */
 
-    /* out[t] = table[tokens[t]]                       (bf16 rows, exact) */
+    /* out[t] = table[tokens[t] - vocab_start] (bf16 rows, exact); zeros
+     * for a token outside [vocab_start, vocab_start + table rows): the
+     * vocab-parallel embedding of a TP rank (vocab_start 0 at TP 1). */
     m3_status (*embed)(m3_backend *be, int rows, const int32_t *tokens, const m3_tensor *table,
-                       uint16_t *out);
+                       int64_t vocab_start, uint16_t *out);
+
+    /* out = bf16(in), n values of in_dtype F32 (or F64, CPU: rounded to fp32
+     * first, as every CPU dot product is): a TP partial sum, all-reduced. */
+    m3_status (*round_bf16)(m3_backend *be, int64_t n, m3_dtype in_dtype, const void *in,
+                            uint16_t *out);
 
     /* Copy rows idx[i] of src [*, dim] to dst [n, dim]. */
     m3_status (*gather_rows)(m3_backend *be, int n, const int32_t *idx, int dim,
@@ -79,7 +88,9 @@ typedef struct m3_backend_ops {
                              uint16_t *residual, const m3_tensor *w, float eps, uint16_t *out);
 
     /* out[t, n] = sum_k x[t, k] w[n, k] in fp32; out is bf16 (rounded) or
-     * f32 (out_dtype). x [rows, K] dense; out [rows, N] dense. */
+     * f32 (out_dtype); the CPU also gives F64, the unrounded sum (a TP
+     * partial: summed over ranks first, then rounded as one dot product
+     * would be). x [rows, K] dense; out [rows, N] dense. */
     m3_status (*linear)(m3_backend *be, int rows, const uint16_t *x, const m3_linear *w,
                         m3_dtype out_dtype, void *out);
 
@@ -125,7 +136,11 @@ typedef struct m3_backend_ops {
     /* MoE FFN of one layer: fp32 router (sigmoid, top-k by s + bias, ties to
      * the lower id, weights s/sum s), the routed experts (gate/up/act/down
      * each rounded), the shared expert, y = bf16(scaling * sum w_i e_i +
-     * shared) summed in fp32. x, out [rows, H]. */
+     * shared) summed in fp32. x, out [rows, H].
+     * With p->tp (world > 1) lw holds this rank's slice of every expert's
+     * width: the down outputs are partial sums, all-reduced through p->tp
+     * before they are rounded, so out is the whole layer's y on every rank
+     * (CPU: exactly the TP 1 result). */
     m3_status (*moe)(m3_backend *be, int rows, const uint16_t *x, const m3_layer_weights *lw,
                      const m3_moe_params *p, uint16_t *out);
 

@@ -16,8 +16,8 @@
 #include "formats/npy.h"
 
 typedef struct gen_args {
-    const char *model, *prompt, *prompt_ids, *dump_logits, *device;
-    int64_t max_tokens, top_k, threads, max_rows, seed;
+    const char *model, *prompt, *prompt_ids, *dump_logits, *device, *decode;
+    int64_t max_tokens, top_k, threads, max_rows, seed, tp;
     double temperature, top_p;
     bool json, ignore_eos, no_graphs;
 } gen_args;
@@ -28,6 +28,7 @@ static void gen_usage(FILE *f) {
             "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]\n"
             "                   [--seed S] [--dump-logits FILE.npy] [--json] [--threads N]\n"
             "                   [--device cpu|cuda] [--no-graphs] [--max-rows N] [--ignore-eos]\n"
+            "                   [--tp N] [--decode stock|mono|auto]\n"
             "\n"
             "  --model DIR        checkpoint folder (default: the built-in tiny model)\n"
             "  --prompt TEXT      each UTF-8 byte becomes the token id of its value\n"
@@ -41,11 +42,15 @@ static void gen_usage(FILE *f) {
             "  --device D         cpu (default) or cuda (an NVIDIA Hopper GPU)\n"
             "  --no-graphs        cuda: run decode steps eagerly, not from CUDA graphs\n"
             "  --max-rows N       rows per step, the prefill chunk (default 256)\n"
-            "  --ignore-eos       do not stop at the end-of-sequence token\n");
+            "  --ignore-eos       do not stop at the end-of-sequence token\n"
+            "  --tp N             tensor-parallel ranks (cpu: one thread each; default 1)\n"
+            "  --decode P         stock (op by op), mono (fused layers for decode steps) or\n"
+            "                     auto (mono where its plan allows; the default)\n");
 }
 
 static int parse_args(int argc, char **argv, gen_args *a) {
-    *a = (gen_args){.max_tokens = 32, .top_p = 1.0, .max_rows = 256, .device = "cpu"};
+    *a = (gen_args){.max_tokens = 32, .top_p = 1.0, .max_rows = 256, .device = "cpu",
+                    .decode = "auto", .tp = 1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
@@ -77,6 +82,10 @@ static int parse_args(int argc, char **argv, gen_args *a) {
             a->dump_logits = v;
         else if (!strcmp(f, "--device"))
             a->device = v;
+        else if (!strcmp(f, "--decode"))
+            a->decode = v;
+        else if (!strcmp(f, "--tp"))
+            ok = cli_int(f, v, 1, 8, &a->tp);
         else if (!strcmp(f, "--max-tokens"))
             ok = cli_int(f, v, 0, 1 << 24, &a->max_tokens);
         else if (!strcmp(f, "--top-k"))
@@ -105,6 +114,10 @@ static int parse_args(int argc, char **argv, gen_args *a) {
     }
     if (strcmp(a->device, "cpu") && strcmp(a->device, "cuda")) {
         fprintf(stderr, "m3 generate: --device %s: expected cpu or cuda\n", a->device);
+        return CLI_USAGE;
+    }
+    if (strcmp(a->decode, "stock") && strcmp(a->decode, "mono") && strcmp(a->decode, "auto")) {
+        fprintf(stderr, "m3 generate: --decode %s: expected stock, mono or auto\n", a->decode);
         return CLI_USAGE;
     }
     return CLI_OK;
@@ -218,6 +231,10 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
         eo.graphs = !a->no_graphs;
         eo.max_rows = (int)a->max_rows;
         eo.max_seqs = 1;
+        eo.tp = (int)a->tp;
+        eo.decode = !strcmp(a->decode, "stock")  ? M3_DECODE_STOCK
+                    : !strcmp(a->decode, "mono") ? M3_DECODE_MONO
+                                                 : M3_DECODE_AUTO;
         /* the cache holds this run, capped at the model's context (a longer
          * prompt is then refused by m3_generate with the limit named) */
         int64_t ctx = m3_model_config(model)->max_position_embeddings;

@@ -66,12 +66,15 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+int m3_pool_default_threads(void) {
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    return online > 0 ? (int)online : 1;
+}
+
 m3_status m3_pool_create(int n_threads, m3_pool **out) {
     *out = NULL;
-    if (n_threads <= 0) {
-        long online = sysconf(_SC_NPROCESSORS_ONLN);
-        n_threads = online > 0 ? (int)online : 1;
-    }
+    if (n_threads <= 0)
+        n_threads = m3_pool_default_threads();
     if (n_threads > 1024)
         return m3_fail(M3_ERR_INVALID_ARG, "threads = %d: at most 1024", n_threads);
     m3_pool *p = m3_calloc(1, sizeof *p, "thread pool");

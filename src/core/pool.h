@@ -19,6 +19,8 @@ typedef void (*m3_pool_fn)(void *ctx, int64_t begin, int64_t end, int thread);
 
 /* n_threads <= 0: one per online core. */
 m3_status m3_pool_create(int n_threads, m3_pool **out);
+/* The cores online (the thread count of a pool created with 0). */
+int m3_pool_default_threads(void);
 void m3_pool_free(m3_pool *pool);
 int m3_pool_size(const m3_pool *pool);
 /* Run fn over [0, n) in chunks of at least grain items. */

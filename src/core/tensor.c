@@ -11,6 +11,7 @@ size_t m3_dtype_size(m3_dtype dt) {
     case M3_DT_U8: return 1;
     case M3_DT_I32: return 4;
     case M3_DT_I64: return 8;
+    case M3_DT_F64: return 8;
     case M3_DT_NONE: break;
     }
     return 0;
@@ -24,6 +25,7 @@ const char *m3_dtype_name(m3_dtype dt) {
     case M3_DT_U8: return "U8";
     case M3_DT_I32: return "I32";
     case M3_DT_I64: return "I64";
+    case M3_DT_F64: return "F64";
     case M3_DT_NONE: break;
     }
     return "NONE";

@@ -24,6 +24,7 @@ typedef enum m3_dtype {
     M3_DT_U8,
     M3_DT_I32,
     M3_DT_I64,
+    M3_DT_F64, /* never in a checkpoint: the CPU backend's exact TP partial sums */
 } m3_dtype;
 
 #define M3_MAX_DIMS 4

@@ -40,6 +40,9 @@ m3_status m3_cpu_scratch(m3_cpu *cpu, int slot, size_t bytes, void **out);
 
 /* ---- row kernels ---- */
 
+/* sum_i a[i] b[i] accumulated in double, unrounded (a TP partial: ranks'
+ * partials are summed in double, then rounded as one dot product is). */
+double m3_dot_f64(const float *a, const float *b, int64_t n);
 /* sum_i a[i] b[i], accumulated in double and rounded to fp32 once. */
 float m3_dot_f32(const float *a, const float *b, int64_t n);
 /* bf16 -> fp32 for n values. */

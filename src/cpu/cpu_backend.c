@@ -77,11 +77,26 @@ m3_status m3_cpu_scratch(m3_cpu *cpu, int slot, size_t bytes, void **out) {
 /* ------------------------------------------------------------ simple ops */
 
 static m3_status cpu_embed(m3_backend *be, int rows, const int32_t *tokens,
-                           const m3_tensor *table, uint16_t *out) {
+                           const m3_tensor *table, int64_t vocab_start, uint16_t *out) {
     int64_t H = table->ne[1];
-    for (int t = 0; t < rows; t++)
-        memcpy(out + t * H, (const char *)table->data + tokens[t] * table->nb[0],
-               (size_t)H * sizeof *out);
+    for (int t = 0; t < rows; t++) {
+        int64_t i = (int64_t)tokens[t] - vocab_start;
+        if (i >= 0 && i < table->ne[0])
+            memcpy(out + t * H, (const char *)table->data + i * table->nb[0],
+                   (size_t)H * sizeof *out);
+        else /* another rank's slice of the vocabulary */
+            memset(out + t * H, 0, (size_t)H * sizeof *out);
+    }
+    return M3_OK;
+}
+
+static m3_status cpu_round_bf16(m3_backend *be, int64_t n, m3_dtype in_dtype, const void *in,
+                                uint16_t *out) {
+    if (in_dtype != M3_DT_F32 && in_dtype != M3_DT_F64)
+        return m3_fail(M3_ERR_INTERNAL, "round_bf16: input dtype %s", m3_dtype_name(in_dtype));
+    for (int64_t i = 0; i < n; i++)
+        out[i] = m3_f32_to_bf16(in_dtype == M3_DT_F64 ? (float)((const double *)in)[i]
+                                                      : ((const float *)in)[i]);
     return M3_OK;
 }
 
@@ -218,6 +233,7 @@ static const m3_backend_ops cpu_ops = {
     .load_weights = cpu_load_weights,
     .unload_weights = cpu_unload_weights,
     .embed = cpu_embed,
+    .round_bf16 = cpu_round_bf16,
     .gather_rows = cpu_gather_rows,
     .add_rmsnorm = cpu_add_rmsnorm,
     .linear = m3_cpu_linear,

@@ -10,7 +10,7 @@
 #include "core/bf16.h"
 #include "cpu/cpu.h"
 
-float m3_dot_f32(const float *a, const float *b, int64_t n) {
+double m3_dot_f64(const float *a, const float *b, int64_t n) {
     /* Accumulated in double and rounded to fp32 once: the products of fp32
      * operands are exact in double, so the result is the correctly rounded
      * fp32 sum whatever the order (see docs/ARCHITECTURE.md, "Precision").
@@ -25,8 +25,10 @@ float m3_dot_f32(const float *a, const float *b, int64_t n) {
     for (int w = 4; w >= 1; w /= 2)
         for (int j = 0; j < w; j++)
             acc[j] += acc[j + w];
-    return (float)acc[0];
+    return acc[0];
 }
+
+float m3_dot_f32(const float *a, const float *b, int64_t n) { return (float)m3_dot_f64(a, b, n); }
 
 void m3_bf16_row_to_f32(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) {

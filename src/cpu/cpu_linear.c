@@ -24,11 +24,14 @@ typedef struct linear_job {
     void *out;           /* [rows, N] */
 } linear_job;
 
-static void store(const linear_job *j, int t, int64_t n, float v) {
-    if (j->out_dtype == M3_DT_BF16)
-        ((uint16_t *)j->out)[(int64_t)t * j->N + n] = m3_f32_to_bf16(v);
+static void store(const linear_job *j, int t, int64_t n, const float *x, const float *w) {
+    int64_t i = (int64_t)t * j->N + n;
+    if (j->out_dtype == M3_DT_F64)
+        ((double *)j->out)[i] = m3_dot_f64(x, w, j->K);
+    else if (j->out_dtype == M3_DT_BF16)
+        ((uint16_t *)j->out)[i] = m3_f32_to_bf16(m3_dot_f32(x, w, j->K));
     else
-        ((float *)j->out)[(int64_t)t * j->N + n] = v;
+        ((float *)j->out)[i] = m3_dot_f32(x, w, j->K);
 }
 
 static void linear_chunk(void *ctx, int64_t begin, int64_t end, int thread) {
@@ -48,7 +51,7 @@ static void linear_chunk(void *ctx, int64_t begin, int64_t end, int thread) {
         for (int t = 0; t < j->rows; t++) {
             const float *xt = j->x + (int64_t)t * j->K;
             for (int r = 0; r < nr; r++)
-                store(j, t, n0 + r, m3_dot_f32(xt, wr[r], j->K));
+                store(j, t, n0 + r, xt, wr[r]);
         }
     }
 }
@@ -87,6 +90,8 @@ m3_status m3_cpu_linear(m3_backend *be, int rows, const uint16_t *x, const m3_li
     if (w->w.dtype != M3_DT_BF16 && w->w.dtype != M3_DT_F8_E4M3)
         return m3_fail(M3_ERR_INTERNAL, "linear: weight %s has dtype %s",
                        w->w.name ? w->w.name : "?", m3_dtype_name(w->w.dtype));
+    if (out_dtype != M3_DT_BF16 && out_dtype != M3_DT_F32 && out_dtype != M3_DT_F64)
+        return m3_fail(M3_ERR_INTERNAL, "linear: output dtype %s", m3_dtype_name(out_dtype));
     M3_TRY(m3_cpu_thread_scratch(cpu, (size_t)ROWS_PER_PASS * (size_t)K));
     float *xf;
     M3_TRY(widen_x(cpu, rows, K, x, &xf));

@@ -98,14 +98,24 @@ static m3_status upload_tensor(upload_pass *u, const m3_tensor *host, m3_tensor 
         memset(dev, 0, sizeof *dev);
         return M3_OK;
     }
-    if (!m3_tensor_is_contiguous(host))
-        return m3_fail(M3_ERR_INTERNAL, "tensor %s is not contiguous",
+    /* a TP shard's column slice is a row-strided matrix: made dense here */
+    size_t es = m3_dtype_size(host->dtype);
+    bool strided = !m3_tensor_is_contiguous(host);
+    if (strided && (host->ndim != 2 || host->nb[1] != (int64_t)es))
+        return m3_fail(M3_ERR_INTERNAL, "tensor %s is neither dense nor a row-strided matrix",
                        host->name ? host->name : "?");
     size_t bytes = tensor_bytes(host);
     *dev = *host;
+    if (strided)
+        dev->nb[0] = host->ne[1] * (int64_t)es;
     if (u->base) {
         dev->data = u->base + u->offset;
-        M3_CUDA_TRY(cudaMemcpy(dev->data, host->data, bytes, cudaMemcpyHostToDevice));
+        if (strided)
+            M3_CUDA_TRY(cudaMemcpy2D(dev->data, (size_t)dev->nb[0], host->data,
+                                     (size_t)host->nb[0], (size_t)dev->nb[0],
+                                     (size_t)host->ne[0], cudaMemcpyHostToDevice));
+        else
+            M3_CUDA_TRY(cudaMemcpy(dev->data, host->data, bytes, cudaMemcpyHostToDevice));
         m3_progress_add(&u->prog, (int64_t)bytes);
     }
     /* 256-byte granules: vector loads, and a uniform stride for experts */
@@ -298,6 +308,7 @@ static const m3_backend_ops cuda_ops = {
     .load_weights = cuda_load_weights,
     .unload_weights = cuda_unload_weights,
     .embed = m3_cuda_embed,
+    .round_bf16 = m3_cuda_round_bf16,
     .gather_rows = m3_cuda_gather_rows,
     .add_rmsnorm = m3_cuda_add_rmsnorm,
     .linear = m3_cuda_linear,

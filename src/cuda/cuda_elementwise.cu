@@ -70,13 +70,13 @@ __device__ __forceinline__ double block_sum_d(double v, double *scratch) {
  * row's units, y strides over rows (so rows may exceed the y-limit). */
 template <typename U>
 __global__ void __launch_bounds__(256)
-    gather_kernel(int rows, const int32_t *__restrict__ idx, int64_t limit, const U *src,
-                  int64_t src_stride, int units, U *dst) {
+    gather_kernel(int rows, const int32_t *__restrict__ idx, int64_t base, int64_t limit,
+                  const U *src, int64_t src_stride, int units, U *dst) {
     int u = blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= units)
         return;
     for (int t = blockIdx.y; t < rows; t += gridDim.y) {
-        int64_t i = idx[t];
+        int64_t i = (int64_t)idx[t] - base;
         U v{};
         if (i >= 0 && i < limit)
             v = src[i * src_stride + u];
@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(256)
 
 /* Launches gather_kernel with 16-byte units when every row start is
  * 16-byte aligned, else with 2-byte units. */
-static m3_status launch_gather(m3_cuda *cu, int rows, const int32_t *idx, int64_t limit,
+static m3_status launch_gather(m3_cuda *cu, int rows, const int32_t *idx, int64_t base,
+                               int64_t limit,
                                const uint16_t *src, int64_t src_stride, int dim, uint16_t *dst,
                                const char *what) {
     bool vec = dim % 8 == 0 && src_stride % 8 == 0 && aligned16(src) && aligned16(dst);
@@ -95,10 +96,10 @@ static m3_status launch_gather(m3_cuda *cu, int rows, const int32_t *idx, int64_
     dim3 grid((unsigned)((units + threads - 1) / threads), (unsigned)(rows < 65535 ? rows : 65535));
     if (vec)
         gather_kernel<uint4><<<grid, threads, 0, cu->stream>>>(
-            rows, idx, limit, reinterpret_cast<const uint4 *>(src), src_stride / 8, units,
+            rows, idx, base, limit, reinterpret_cast<const uint4 *>(src), src_stride / 8, units,
             reinterpret_cast<uint4 *>(dst));
     else
-        gather_kernel<uint16_t><<<grid, threads, 0, cu->stream>>>(rows, idx, limit, src,
+        gather_kernel<uint16_t><<<grid, threads, 0, cu->stream>>>(rows, idx, base, limit, src,
                                                                    src_stride, units, dst);
     (void)what; /* M3_CUDA_LAUNCHED reports file:line, not the name */
     M3_CUDA_LAUNCHED(what);
@@ -106,7 +107,8 @@ static m3_status launch_gather(m3_cuda *cu, int rows, const int32_t *idx, int64_
 }
 
 extern "C" m3_status m3_cuda_embed(m3_backend *be, int rows, const int32_t *tokens,
-                                   const m3_tensor *table, uint16_t *out) {
+                                   const m3_tensor *table, int64_t vocab_start,
+                                   uint16_t *out) {
     if (rows <= 0)
         return M3_OK;
     if (table->dtype != M3_DT_BF16 || table->ndim != 2 || !table->data || table->nb[0] % 2)
@@ -116,8 +118,8 @@ extern "C" m3_status m3_cuda_embed(m3_backend *be, int rows, const int32_t *toke
     if (H < 1 || H > INT32_MAX)
         return m3_fail(M3_ERR_UNSUPPORTED, "embed: row width %lld is out of range",
                        (long long)H);
-    /* an out-of-range token gives a zero row (padding rows may carry any id) */
-    return launch_gather(m3_cuda_of(be), rows, tokens, V, (const uint16_t *)table->data,
+    /* a token outside this table's vocabulary slice gives a zero row */
+    return launch_gather(m3_cuda_of(be), rows, tokens, vocab_start, V, (const uint16_t *)table->data,
                          table->nb[0] / 2, (int)H, out, "embed (gather_kernel)");
 }
 
@@ -126,7 +128,7 @@ extern "C" m3_status m3_cuda_gather_rows(m3_backend *be, int n, const int32_t *i
     if (n <= 0 || dim <= 0)
         return M3_OK;
     /* the source's row count is not known here: only negative ids are caught */
-    return launch_gather(m3_cuda_of(be), n, idx, INT64_MAX, src, dim, dim, dst,
+    return launch_gather(m3_cuda_of(be), n, idx, 0, INT64_MAX, src, dim, dim, dst,
                          "gather_rows (gather_kernel)");
 }
 
@@ -603,5 +605,27 @@ extern "C" m3_status m3_cuda_swiglu(m3_backend *be, int64_t n, const uint16_t *g
         swiglu_scalar_kernel<<<(unsigned)blocks, 256, 0, cu->stream>>>(n, gate, up, act->alpha,
                                                                        act->limit, out);
     M3_CUDA_LAUNCHED("swiglu_kernel");
+    return M3_OK;
+}
+
+__global__ void round_bf16_kernel(int64_t n, const float *__restrict__ in,
+                                  uint16_t *__restrict__ out) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = m3_to_bf(in[i]);
+}
+
+extern "C" m3_status m3_cuda_round_bf16(m3_backend *be, int64_t n, m3_dtype in_dtype,
+                                        const void *in_ptr, uint16_t *out) {
+    if (n <= 0)
+        return M3_OK;
+    if (in_dtype != M3_DT_F32)
+        return m3_fail(M3_ERR_INTERNAL, "round_bf16: input dtype %s (CUDA partials are F32)",
+                       m3_dtype_name(in_dtype));
+    const float *in = (const float *)in_ptr;
+    int64_t blocks = (n + 255) / 256;
+    round_bf16_kernel<<<(unsigned)(blocks < 1024 ? blocks : 1024), 256, 0,
+                        m3_cuda_of(be)->stream>>>(n, in, out);
+    M3_CUDA_LAUNCHED("round_bf16_kernel");
     return M3_OK;
 }

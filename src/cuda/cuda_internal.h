@@ -87,7 +87,9 @@ m3_status m3_cuda_workspace(m3_cuda *cu, int slot, size_t bytes, void **out);
 /* ---- ops (see backend.h for each contract) ---- */
 /* cuda_elementwise.cu */
 m3_status m3_cuda_embed(m3_backend *be, int rows, const int32_t *tokens, const m3_tensor *table,
-                        uint16_t *out);
+                        int64_t vocab_start, uint16_t *out);
+m3_status m3_cuda_round_bf16(m3_backend *be, int64_t n, m3_dtype in_dtype, const void *in,
+                             uint16_t *out);
 m3_status m3_cuda_gather_rows(m3_backend *be, int n, const int32_t *idx, int dim,
                               const uint16_t *src, uint16_t *dst);
 m3_status m3_cuda_add_rmsnorm(m3_backend *be, int rows, int dim, const uint16_t *add,

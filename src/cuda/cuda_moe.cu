@@ -331,6 +331,9 @@ extern "C" m3_status m3_cuda_moe(m3_backend *be, int rows, const uint16_t *x,
                                  const m3_layer_weights *lw, const m3_moe_params *p,
                                  uint16_t *out) {
     m3_cuda *cu = m3_cuda_of(be);
+    if (p->tp && p->tp->world > 1)
+        return m3_fail(M3_ERR_UNSUPPORTED, "moe: sharded experts (TP %d) are not built on CUDA "
+                       "yet: tensor parallelism over GPUs is the multi-GPU path", p->tp->world);
     int E = p->num_experts, k = p->top_k;
     int64_t H = lw->router.ne[1], I = lw->exp_gate[0].w.ne[0];
     int64_t Is = lw->sh_gate.w.data ? lw->sh_gate.w.ne[0] : 0;

@@ -9,8 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/pool.h"
 #include "core/status.h"
 #include "decode/engine.h"
+#include "model/shard.h"
 
 m3_engine_opts m3_engine_defaults(void) {
     m3_engine_opts o = {0};
@@ -51,6 +53,7 @@ static m3_status alloc_scratch(m3_engine *e) {
         {(void **)&s->residual, R * H * 2},
         {(void **)&s->x, R * H * 2},
         {(void **)&s->o, R * H * 2},
+        {(void **)&s->partial, R * H * 8},
         {(void **)&s->q, R * (size_t)c->num_q_heads * D * 2},
         {(void **)&s->k, R * (size_t)c->num_kv_heads * D * 2},
         {(void **)&s->v, R * (size_t)c->num_kv_heads * D * 2},
@@ -151,7 +154,7 @@ static m3_status check_opts(const m3_config *c, m3_engine_opts *o) {
     return M3_OK;
 }
 
-void m3_engine_free(m3_engine *e) {
+static void free_rank(m3_engine *e) {
     if (!e)
         return;
     if (e->be) {
@@ -173,20 +176,43 @@ void m3_engine_free(m3_engine *e) {
         e->be->ops->destroy(e->be);
     }
     m3_cache_destroy(&e->cache);
-    m3_comm_free(e->comm);
+    if (e->shard.layers)
+        m3_tp_shard_free(&e->model->cfg, &e->shard);
+    if (e->tp_size <= 1)
+        m3_comm_free(e->comm); /* at TP > 1 the front owns the group's comms */
     free(e);
 }
 
-m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engine **out) {
+void m3_engine_free(m3_engine *e) {
+    if (!e)
+        return;
+    for (int r = 0; r < M3_MAX_TP; r++) {
+        free_rank(e->ranks[r]);
+        m3_comm_free(e->rank_comms[r]);
+    }
+    if (e->ranks[0])
+        free(e); /* a front holds nothing else */
+    else
+        free_rank(e);
+}
+
+/* One rank's engine: its backend, weights (the model's, or at TP > 1 this
+ * rank's shard), cache, scratch and step buffers. */
+static m3_status create_rank(m3_model *model, const m3_engine_opts *opts, int rank, int tp,
+                             m3_comm *comm, m3_engine **out) {
     *out = NULL;
-    if (!model)
-        return m3_fail(M3_ERR_INVALID_ARG, "model is NULL");
     m3_engine *e = m3_calloc(1, sizeof *e, "engine");
     if (!e)
         return M3_ERR_NO_MEMORY;
     e->model = model;
-    e->cfg = model->cfg;
-    e->opts = opts ? *opts : m3_engine_defaults();
+    e->opts = *opts;
+    e->tp_rank = rank;
+    e->tp_size = tp;
+    e->comm = comm;
+    e->cfg = m3_tp_config(&model->cfg, tp);
+    e->vocab_full = model->cfg.vocab_size;
+    e->vocab_start = (int64_t)rank * e->cfg.vocab_size;
+    e->partial_dtype = opts->device == M3_DEVICE_CPU ? M3_DT_F64 : M3_DT_F32;
     m3_status st = check_opts(&e->cfg, &e->opts);
     int64_t max_context = e->opts.max_tokens < e->cfg.max_position_embeddings
                               ? e->opts.max_tokens
@@ -203,10 +229,15 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
          * launch exactly the kernels a replay would (bit-identical) */
         e->stable_width = e->be->ops->graph_begin != NULL;
     }
-    if (!st)
+    if (!st && !comm)
         st = m3_comm_create_single(&e->comm);
+    const m3_weights *host = &model->w;
+    if (!st && tp > 1) {
+        st = m3_tp_shard(&model->cfg, &model->w, rank, tp, &e->shard);
+        host = &e->shard;
+    }
     if (!st)
-        st = e->be->ops->load_weights(e->be, &e->cfg, &model->w, &e->w);
+        st = e->be->ops->load_weights(e->be, &e->cfg, host, &e->w);
     if (!st)
         st = m3_cache_init(&e->cache, e->cfg.num_layers, n_pages, max_context, e->opts.max_seqs);
     if (!st)
@@ -216,28 +247,98 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
     if (!st)
         st = alloc_step(e);
     if (st) {
-        m3_engine_free(e);
-        return m3_fail_context(st, "creating the engine");
+        free_rank(e);
+        return st;
     }
     *out = e;
     return M3_OK;
 }
 
-int64_t m3_engine_max_context(const m3_engine *e) { return e->cache.max_context; }
+m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engine **out) {
+    *out = NULL;
+    if (!model)
+        return m3_fail(M3_ERR_INVALID_ARG, "model is NULL");
+    m3_engine_opts o = opts ? *opts : m3_engine_defaults();
+    int tp = o.tp ? o.tp : 1;
+    m3_status st = m3_tp_check(&model->cfg, tp);
+    if (!st && tp > 1 && o.device == M3_DEVICE_CUDA)
+        st = m3_fail(M3_ERR_UNSUPPORTED, "--tp %d with --device cuda: tensor parallelism over "
+                     "GPUs is not built yet (TP runs on the CPU backend)", tp);
+    if (st)
+        return m3_fail_context(st, "creating the engine");
+    if (tp == 1) {
+        st = create_rank(model, &o, 0, 1, NULL, out);
+        return st ? m3_fail_context(st, "creating the engine") : M3_OK;
+    }
+    /* TP: one rank engine per rank, sharing the cores */
+    m3_engine *f = m3_calloc(1, sizeof *f, "engine");
+    if (!f)
+        return M3_ERR_NO_MEMORY;
+    f->model = model;
+    f->cfg = model->cfg;
+    f->opts = o;
+    f->tp_size = tp;
+    f->vocab_full = model->cfg.vocab_size;
+    st = m3_comm_create_threads(tp, o.tp_timeout_ms, f->rank_comms);
+    m3_engine_opts ro = o;
+    if (o.device == M3_DEVICE_CPU) {
+        int cores = o.threads > 0 ? o.threads : m3_pool_default_threads();
+        ro.threads = cores / tp > 0 ? cores / tp : 1;
+    }
+    for (int r = 0; r < tp && !st; r++) {
+        st = create_rank(model, &ro, r, tp, f->rank_comms[r], &f->ranks[r]);
+        if (st)
+            m3_fail_context(st, "TP rank %d", r);
+    }
+    if (st) {
+        m3_engine_free(f);
+        return m3_fail_context(st, "creating the engine");
+    }
+    *out = f;
+    return M3_OK;
+}
+
+/* The engine whose state answers queries: rank 0 at TP > 1 (every rank
+ * holds the same sequences and lengths). */
+static const m3_engine *lead(const m3_engine *e) { return e->ranks[0] ? e->ranks[0] : e; }
+
+int64_t m3_engine_max_context(const m3_engine *e) { return lead(e)->cache.max_context; }
 
 m3_engine_stats m3_engine_get_stats(const m3_engine *e) {
-    m3_engine_stats s = {e->mono_steps, e->stock_steps, e->graph_replays};
+    const m3_engine *l = lead(e);
+    m3_engine_stats s = {l->mono_steps, l->stock_steps, l->graph_replays};
     return s;
 }
 
-m3_status m3_seq_create(m3_engine *e, m3_seq *out) { return m3_cache_seq_create(&e->cache, out); }
+m3_status m3_seq_create(m3_engine *e, m3_seq *out) {
+    if (!e->ranks[0])
+        return m3_cache_seq_create(&e->cache, out);
+    /* every rank's allocator is in the same state, so they agree on the id */
+    for (int r = 0; r < e->tp_size; r++) {
+        m3_seq id;
+        M3_TRY(m3_cache_seq_create(&e->ranks[r]->cache, &id));
+        if (r == 0)
+            *out = id;
+        else if (id != *out)
+            return m3_fail(M3_ERR_INTERNAL, "TP rank %d created sequence %d, rank 0 %d", r, id,
+                           *out);
+    }
+    return M3_OK;
+}
 
-m3_status m3_seq_free(m3_engine *e, m3_seq seq) { return m3_cache_seq_free(&e->cache, seq); }
+m3_status m3_seq_free(m3_engine *e, m3_seq seq) {
+    if (!e->ranks[0])
+        return m3_cache_seq_free(&e->cache, seq);
+    for (int r = 0; r < e->tp_size; r++)
+        M3_TRY(m3_cache_seq_free(&e->ranks[r]->cache, seq));
+    return M3_OK;
+}
 
 int64_t m3_seq_len(const m3_engine *e, m3_seq seq) {
-    if (m3_cache_seq_check(&e->cache, seq))
+    const m3_engine *l = lead(e);
+    if (m3_cache_seq_check(&l->cache, seq))
         return -1;
-    return e->cache.seqs[seq].len;
+    return l->cache.seqs[seq].len;
 }
 
 /* Every request valid, rows within the limits, no sequence twice. */
@@ -257,11 +358,11 @@ static m3_status check_requests(const m3_engine *e, const m3_request *reqs, int 
         if (q->n_tokens < 1 || !q->tokens)
             return m3_fail(M3_ERR_INVALID_ARG, "request %d has no tokens", r);
         for (int i = 0; i < q->n_tokens; i++)
-            if (q->tokens[i] < 0 || q->tokens[i] >= e->cfg.vocab_size)
+            if (q->tokens[i] < 0 || q->tokens[i] >= e->vocab_full)
                 return m3_fail(M3_ERR_INVALID_ARG,
                                "token id %d (request %d, position %d) is outside the vocabulary "
                                "[0, %d)",
-                               q->tokens[i], r, i, e->cfg.vocab_size);
+                               q->tokens[i], r, i, e->vocab_full);
         int64_t new_len = e->cache.seqs[q->seq].len + q->n_tokens;
         if (new_len > e->cache.max_context)
             return m3_fail(M3_ERR_INVALID_ARG,
@@ -405,6 +506,16 @@ static m3_status step_forward(m3_engine *e, const m3_request *reqs, int n_reqs,
         st = e->be->ops->upload(e->be, e->s.out_rows, out_rows, (size_t)n_out * sizeof *out_rows);
     if (!st)
         st = run_forward(e, bucket, n_out);
+    if (e->tp_size > 1) {
+        /* commit on every rank or on none: a rank that failed ends its
+         * peers' waits, and everyone learns the outcome */
+        if (st)
+            e->comm->ops->abort(e->comm, m3_last_error());
+        bool all_ok = false;
+        m3_status agreed = m3_comm_agree(e->comm, st == M3_OK, &all_ok);
+        if (!st && (agreed || !all_ok))
+            st = m3_fail(M3_ERR_FAULT, "the step failed on another TP rank");
+    }
     if (st) {
         /* give back the pages this step took; lengths never moved */
         for (int q = 0; q < r; q++)
@@ -418,6 +529,8 @@ static m3_status step_forward(m3_engine *e, const m3_request *reqs, int n_reqs,
 }
 
 m3_status m3_engine_set_len(m3_engine *e, m3_seq seq, int64_t len) {
+    if (e->ranks[0])
+        return m3_fail(M3_ERR_UNSUPPORTED, "benchmark hooks take a TP 1 engine");
     M3_TRY(m3_cache_reserve(&e->cache, seq, len));
     m3_cache_trim(&e->cache, seq, len);
     e->cache.seqs[seq].len = len;
@@ -425,6 +538,8 @@ m3_status m3_engine_set_len(m3_engine *e, m3_seq seq, int64_t len) {
 }
 
 m3_status m3_engine_build(m3_engine *e, const m3_request *reqs, int n_reqs, bool pad) {
+    if (e->ranks[0])
+        return m3_fail(M3_ERR_UNSUPPORTED, "benchmark hooks take a TP 1 engine");
     int rows = 0;
     M3_TRY(check_requests(e, reqs, n_reqs, &rows));
     for (int r = 0; r < n_reqs; r++)
@@ -442,6 +557,8 @@ m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float
     if (!e || !reqs || (!logits && !all_logits))
         return m3_fail(M3_ERR_INVALID_ARG, "m3_engine_step: engine, requests and an output "
                        "buffer are required");
+    if (e->ranks[0])
+        return m3_tp_front_step(e, reqs, n_reqs, logits, all_logits);
     int rows = 0;
     M3_TRY(check_requests(e, reqs, n_reqs, &rows));
     int R = scratch_rows(e);
@@ -481,7 +598,8 @@ m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float
 }
 
 static bool device_can_sample(const m3_engine *e, const m3_sampler *s) {
-    return e->be->ops->sample && (s->temperature == 0 || (s->top_k == 0 && s->top_p >= 1));
+    /* a TP front has no backend; its logits are assembled on the host */
+    return e->be && e->be->ops->sample && (s->temperature == 0 || (s->top_k == 0 && s->top_p >= 1));
 }
 
 m3_status m3_engine_decode(m3_engine *e, const m3_request *reqs, int n_reqs,

@@ -22,6 +22,7 @@ typedef struct m3_scratch {
     uint16_t *residual;  /* [R, H] */
     uint16_t *x;         /* [R, H]: a norm's output */
     uint16_t *o;         /* [R, H]: o_proj output */
+    void *partial;       /* [R, H] partial_dtype: a TP rank's partial (o_proj, dense FFN) */
     uint16_t *q;         /* [R, Nq*D] */
     uint16_t *k, *v;     /* [R, Nkv*D] */
     uint16_t *iq;        /* [R, Ni*Di] */
@@ -32,7 +33,7 @@ typedef struct m3_scratch {
     uint16_t *gate, *up, *act; /* [R, F] dense MLP */
     uint16_t *out_hidden, *out_residual, *final; /* [R, H]: rows whose logits are wanted */
     int32_t *out_rows;   /* [R] */
-    float *logits;       /* [R, V] */
+    float *logits;       /* [R, V]: this rank's vocabulary slice at TP > 1 */
 } m3_scratch;
 
 /* A contiguous range of layers run by a fused executor for one step
@@ -53,7 +54,17 @@ typedef void (*m3_layer_hook)(void *user, int layer, const m3_step *step, const 
 
 struct m3_engine {
     m3_model *model;
-    m3_config cfg;
+    m3_config cfg;       /* this rank's shard of the model's config (TP 1: the model's) */
+    /* TP: a front engine (ranks[0] set) drives one rank engine per rank,
+     * each on its own thread with its own backend, weights shard, cache and
+     * scratch; the front itself has no backend. */
+    int tp_rank, tp_size;
+    int vocab_full;      /* the model's vocabulary (cfg.vocab_size is the slice) */
+    int64_t vocab_start; /* the first token of this rank's slice */
+    struct m3_engine *ranks[M3_MAX_TP]; /* front only */
+    m3_comm *rank_comms[M3_MAX_TP];     /* front only: the group's comms */
+    m3_weights shard;    /* rank engines at TP > 1: the views this rank holds */
+    m3_dtype partial_dtype; /* F64 on the CPU (exact), F32 on the GPU */
     m3_engine_opts opts;
     m3_backend *be;
     m3_weights w;        /* the backend's weights */
@@ -82,6 +93,10 @@ m3_status m3_forward_device(m3_engine *eng, const m3_step *step, int n_out);
 /* One layer of the stock path on the step (layer 0: first = true, the
  * residual holds the embedding). Launches only. */
 m3_status m3_stock_layer(m3_engine *eng, const m3_step *step, int layer, bool first);
+
+/* A step of a TP front engine (engine_tp.c): every rank on its own thread. */
+m3_status m3_tp_front_step(m3_engine *front, const m3_request *reqs, int n_reqs, float *logits,
+                           float *all_logits);
 
 /* For benchmarks: give seq len tokens of cache (pages reserved, contents
  * whatever the cache holds) without running them. */

@@ -12,6 +12,19 @@
 #include "core/status.h"
 #include "decode/engine.h"
 
+/* TP: out = bf16(sum over ranks of s->partial [T, H]), summed in rank order
+ * so every rank holds the same bits. The CPU's partials are fp64 (rounded
+ * after the sum, exactly as at TP 1); the GPU's fp32. */
+static m3_status reduce_partial(m3_engine *eng, int T, uint16_t *out) {
+    int64_t n = (int64_t)T * eng->cfg.hidden_size;
+    m3_comm *c = eng->comm;
+    if (eng->partial_dtype == M3_DT_F64)
+        M3_TRY(c->ops->all_reduce_sum_f64(c, (double *)eng->s.partial, n));
+    else
+        M3_TRY(c->ops->all_reduce_sum_f32(c, (float *)eng->s.partial, n));
+    return eng->be->ops->round_bf16(eng->be, n, eng->partial_dtype, eng->s.partial, out);
+}
+
 /* The stock path of one layer: hidden/residual in, hidden/residual out. */
 m3_status m3_stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) {
     const m3_config *c = &eng->cfg;
@@ -58,19 +71,30 @@ m3_status m3_stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) 
     /* 5. attention (dense, or over the selected blocks) */
     M3_TRY(op->attention(be, st, Nq, Nkv, D, s->q, cl->k, cl->v, selected, c->topk_blocks,
                          (float)(1.0 / sqrt((double)D)), s->attn));
-    /* 6. o_proj, residual, post-attention norm */
-    M3_TRY(op->linear(be, T, s->attn, &lw->o_proj, M3_DT_BF16, s->o));
+    /* 6. o_proj (row-parallel at TP > 1: all-reduced, then rounded), residual,
+     * post-attention norm */
+    if (eng->tp_size > 1) {
+        M3_TRY(op->linear(be, T, s->attn, &lw->o_proj, eng->partial_dtype, s->partial));
+        M3_TRY(reduce_partial(eng, T, s->o));
+    } else {
+        M3_TRY(op->linear(be, T, s->attn, &lw->o_proj, M3_DT_BF16, s->o));
+    }
     M3_TRY(op->add_rmsnorm(be, T, H, s->o, s->residual, &lw->post_norm, c->rms_norm_eps, s->x));
     /* 7. FFN: MoE or the dense SwiGLU-OAI MLP */
     m3_swiglu act = {c->swiglu_alpha, c->swiglu_limit};
+    bool tp = eng->tp_size > 1;
     if (lw->moe) {
-        m3_moe_params mp = {c->num_experts, c->experts_per_tok, c->routed_scaling_factor, act};
+        m3_moe_params mp = {c->num_experts, c->experts_per_tok, c->routed_scaling_factor, act,
+                            tp ? eng->comm : NULL};
         return op->moe(be, T, s->x, lw, &mp, s->hidden);
     }
     M3_TRY(op->linear(be, T, s->x, &lw->mlp_gate, M3_DT_BF16, s->gate));
     M3_TRY(op->linear(be, T, s->x, &lw->mlp_up, M3_DT_BF16, s->up));
     M3_TRY(op->swiglu(be, (int64_t)T * c->dense_dim, s->gate, s->up, &act, s->act));
-    return op->linear(be, T, s->act, &lw->mlp_down, M3_DT_BF16, s->hidden);
+    if (!tp)
+        return op->linear(be, T, s->act, &lw->mlp_down, M3_DT_BF16, s->hidden);
+    M3_TRY(op->linear(be, T, s->act, &lw->mlp_down, eng->partial_dtype, s->partial));
+    return reduce_partial(eng, T, s->hidden);
 }
 
 /* final = norm(hidden + residual) of the wanted rows (s->out_rows, in
@@ -92,7 +116,12 @@ static m3_status final_logits(m3_engine *eng, int n_out) {
 m3_status m3_forward_device(m3_engine *eng, const m3_step *st, int n_out) {
     const m3_config *c = &eng->cfg;
     m3_backend *be = eng->be;
-    M3_TRY(be->ops->embed(be, st->rows, st->dev.tokens, &eng->w.embed, eng->s.residual));
+    /* vocab-parallel embedding: each row's vector comes from one rank */
+    M3_TRY(be->ops->embed(be, st->rows, st->dev.tokens, &eng->w.embed, eng->vocab_start,
+                          eng->s.residual));
+    if (eng->tp_size > 1)
+        M3_TRY(eng->comm->ops->all_reduce_sum_bf16(eng->comm, eng->s.residual,
+                                                   (int64_t)st->rows * c->hidden_size));
     m3_layer_range_executor *ex = eng->executor;
     bool fused = ex && ex->plan(ex->self, st);
     m3_status failure = M3_OK;

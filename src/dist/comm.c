@@ -10,6 +10,12 @@
 
 static m3_status single_all_reduce(m3_comm *c, float *buf, int64_t n) { return M3_OK; }
 
+static m3_status single_all_reduce_f64(m3_comm *c, double *buf, int64_t n) { return M3_OK; }
+
+static m3_status single_all_reduce_bf16(m3_comm *c, uint16_t *buf, int64_t n) { return M3_OK; }
+
+static void single_abort(m3_comm *c, const char *msg) {}
+
 static m3_status single_all_gather(m3_comm *c, const void *in, void *out, int64_t bytes) {
     if (in != out && bytes > 0)
         memmove(out, in, (size_t)bytes);
@@ -23,7 +29,9 @@ static m3_status single_agree_min(m3_comm *c, int64_t local, int64_t *global) {
 
 static void single_destroy(m3_comm *c) { free(c); }
 
-static const m3_comm_ops single_ops = {single_all_reduce, single_all_gather, single_agree_min,
+static const m3_comm_ops single_ops = {single_all_reduce, single_all_reduce_f64,
+                                       single_all_reduce_bf16,
+                                       single_all_gather, single_agree_min, single_abort,
                                        single_destroy};
 
 m3_status m3_comm_create_single(m3_comm **out) {

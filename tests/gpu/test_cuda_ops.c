@@ -406,10 +406,10 @@ static void embed_case(int V, int H, int rows) {
     for (int t = 0; t < rows; t++) /* both ends of the table, repeats */
         tok[t] = t == 0 ? V - 1 : t == 1 ? 0 : rng_below(V);
     m3_tensor tc = m3_tensor_make(M3_DT_BF16, 2, ne, table);
-    cpu_must(g_cpu->ops->embed(g_cpu, rows, tok, &tc, ref), "CPU embed");
+    cpu_must(g_cpu->ops->embed(g_cpu, rows, tok, &tc, 0, ref), "CPU embed");
     m3_tensor tg = m3_tensor_make(M3_DT_BF16, 2, ne, dev_from(table, (size_t)V * H * 2));
     void *out = dev_buf(NULL, (size_t)n * 2);
-    m3_status st = gpu_done(g_gpu->ops->embed(g_gpu, rows, dev_from(tok, (size_t)rows * 4), &tg, out));
+    m3_status st = gpu_done(g_gpu->ops->embed(g_gpu, rows, dev_from(tok, (size_t)rows * 4), &tg, 0, out));
     if (st) {
         report_error("embed", shape, st);
     } else {
@@ -1042,7 +1042,7 @@ static void moe_rows(const moe_cfg *m, const m3_layer_weights *hw, const m3_laye
     snprintf(shape, sizeof shape, "E %d k %d %s%s%s, rows %d, H %d I %d", m->E, m->k,
              m->fp8 ? "mxfp8" : "bf16", m->shared ? " +shared" : "", m->bias ? " +bias" : "",
              rows, m->H, m->I);
-    m3_moe_params p = {m->E, m->k, 2.0f, {1.702f, 7.0f}};
+    m3_moe_params p = {m->E, m->k, 2.0f, {1.702f, 7.0f}, NULL};
     int64_t n = (int64_t)rows * m->H;
     uint16_t *x = rand_bf16(n, 1.0f), *ref = halloc((size_t)n * 2);
     moe_avoid_ties(m, hw, x, rows);

@@ -325,7 +325,7 @@ static void test_embed(void) {
             ref[r * H + h] = table[tokens[r] * (H + PADW) + h];
     for (int i = 0; i < N_BE; i++) {
         out[i] = poisoned16(ROWS * H);
-        CHECK_OK(g_be[i]->ops->embed(g_be[i], ROWS, tokens, &t, out[i]));
+        CHECK_OK(g_be[i]->ops->embed(g_be[i], ROWS, tokens, &t, 0, out[i]));
     }
     EXPECT_BF16("embed", out[0], ref, ROWS * H);
     EXPECT_SAME("embed", out[0], out[1], ROWS * H * 2);
@@ -336,10 +336,18 @@ static void test_embed(void) {
     m3_tensor tt = m3_tensor_make(M3_DT_BF16, 2, ne, tiny);
     int32_t tok[3] = {1, 0, 1};
     fill16(got, 6, BF16_NAN);
-    CHECK_OK(g_be[1]->ops->embed(g_be[1], 3, tok, &tt, got));
+    CHECK_OK(g_be[1]->ops->embed(g_be[1], 3, tok, &tt, 0, got));
     const float want[6] = {3, 4, 1, 2, 3, 4};
     for (int k = 0; k < 6; k++)
         EXPECT_BF16_IS(got[k], want[k]);
+    /* a TP rank's slice [5, 7): token 6 is its row 1, tokens 1 and 0 are
+     * another rank's (zero rows) */
+    int32_t tok_tp[3] = {6, 1, 0};
+    fill16(got, 6, BF16_NAN);
+    CHECK_OK(g_be[1]->ops->embed(g_be[1], 3, tok_tp, &tt, 5, got));
+    const float want_tp[6] = {3, 4, 0, 0, 0, 0};
+    for (int k = 0; k < 6; k++)
+        EXPECT_BF16_IS(got[k], want_tp[k]);
     free(table);
     free(ref);
     free_all((void **)out, N_BE);
@@ -1542,7 +1550,7 @@ static void moe_case(const char *what, moe_fx *f, bool shared, int rows) {
     enum { K = 3 };
     m3_linear g[16], u[16], d[16];
     moe_fx_bind(f, g, u, d, shared);
-    m3_moe_params p = {f->E, K, 2.0f, {1.702f, 7.0f}};
+    m3_moe_params p = {f->E, K, 2.0f, {1.702f, 7.0f}, NULL};
     int64_t n = (int64_t)rows * f->H;
     uint16_t *x = rand_bf16(n, 1.0f), *ref = xalloc((size_t)n * 2), *out[N_BE];
     int *ids = xalloc((size_t)rows * K * sizeof *ids);
@@ -1605,7 +1613,7 @@ static void moe_tiny(void) {
     lw.router_bias = m3_tensor_make(M3_DT_F32, 1, neb, bias);
     lw.exp_gate = lg, lw.exp_up = lu, lw.exp_down = ld;
     lw.sh_gate = lg[3], lw.sh_up = lu[3], lw.sh_down = ld[3];
-    m3_moe_params p = {3, 2, 2.0f, {0.0f, 7.0f}};
+    m3_moe_params p = {3, 2, 2.0f, {0.0f, 7.0f}, NULL};
     fill16(out, 2, BF16_NAN);
     CHECK_OK(be->ops->moe(be, 1, x, &lw, &p, out));
     EXPECT_BF16_IS(out[0], 3.3125f);
@@ -1620,7 +1628,7 @@ static void moe_tiny(void) {
     lw.router_bias = m3_tensor_make(M3_DT_F32, 1, neb, b2);
     m3_linear none = {{0}, {0}};
     lw.sh_gate = lw.sh_up = lw.sh_down = none;
-    m3_moe_params p1 = {3, 1, 1.0f, {0.0f, 7.0f}};
+    m3_moe_params p1 = {3, 1, 1.0f, {0.0f, 7.0f}, NULL};
     fill16(out, 2, BF16_NAN);
     CHECK_OK(be->ops->moe(be, 1, x, &lw, &p1, out));
     EXPECT_BF16_IS(out[0], 2.0f);
