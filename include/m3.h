@@ -157,9 +157,12 @@ typedef enum m3_device { M3_DEVICE_CPU = 0, M3_DEVICE_CUDA = 1 } m3_device;
 /* How decode steps run: the stock op-by-op path; the mono path (fused
  * per-layer executors, SPEC §5) wherever its plan allows, refusing to start
  * when the model or deployment is unsupported; or auto: mono where the plan
- * allows, stock otherwise (the reason printed once when mono is refused). */
+ * allows, stock otherwise (the reason printed once when mono is refused).
+ * DEFAULT is auto where the mono executor has been measured faster than the
+ * stock path (the CPU) and stock elsewhere (CUDA, for now: docs/PERF.md). */
 typedef enum m3_decode_path {
-    M3_DECODE_AUTO = 0,
+    M3_DECODE_DEFAULT = 0,
+    M3_DECODE_AUTO,
     M3_DECODE_STOCK,
     M3_DECODE_MONO,
 } m3_decode_path;
@@ -204,6 +207,9 @@ typedef struct m3_engine_stats {
     int64_t mono_steps, stock_steps, graph_replays;
 } m3_engine_stats;
 m3_engine_stats m3_engine_get_stats(const m3_engine *eng);
+/* With decode auto: why the mono path was refused ("" when it runs, or
+ * when stock was asked for). */
+const char *m3_engine_mono_refusal(const m3_engine *eng);
 
 /* One forward step over n_reqs requests (rows = their summed n_tokens,
  * at most max_rows). On success the tokens are in the cache and logits

@@ -7,6 +7,7 @@
 
 #ifndef M3_HAVE_CUDA
 #include "cuda/cuda_bench.h"
+#include "cuda/cuda_mono.h"
 
 #define NO_CUDA_MSG                                                                        \
     "this build of m3 has no CUDA backend (nvcc was not found when it was built); use " \
@@ -36,6 +37,54 @@ m3_status m3_cuda_moe_unique_experts(m3_backend *be, int *n) {
 
 m3_status m3_cuda_bench_linear(m3_backend *be, int rows, int64_t n, int64_t k, int iters,
                                double *gemv_us, double *cublas_us) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+/* the mono path's CUDA executor (cuda/cuda_mono.h); m3_mono_fault_name is
+ * in mono/fault.c, built either way */
+m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, int max_blocks, int tp_rank,
+                              int tp_size, m3_cuda_mono **out) {
+    *out = NULL;
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+void m3_cuda_mono_free(m3_cuda_mono *m) {}
+
+void *m3_cuda_mono_landing(m3_cuda_mono *m) { return NULL; }
+
+m3_status m3_cuda_mono_set_peers(m3_cuda_mono *m, void *const *landings, int world) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int layer,
+                             const m3_layer_weights *lw, const m3_cache_layer *cl, bool first,
+                             uint32_t epoch, uint16_t *hidden, uint16_t *residual) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+int32_t *m3_cuda_mono_fault_word(m3_cuda_mono *m) { return NULL; }
+
+m3_status m3_cuda_mono_check_fault(m3_cuda_mono *m) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_mono_set_fault(m3_cuda_mono *m, int code, int layer) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_mono_read_fault(m3_cuda_mono *m, int32_t out[4]) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_mono_clear_fault(m3_cuda_mono *m) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_mono_trace_start(m3_cuda_mono *m) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_mono_trace_write(m3_cuda_mono *m, const char *path) {
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 #else

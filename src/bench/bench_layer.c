@@ -18,7 +18,9 @@
 #include "cache/cache.h"
 #include "core/status.h"
 #include "cuda/cuda_bench.h"
+#include "cuda/cuda_mono.h"
 #include "decode/engine.h"
+#include "mono/mono.h"
 
 #define ROTATE_BYTES ((double)(512u << 20)) /* inputs rotated per point: ~8x the L2 */
 #define MAX_SETS 64
@@ -82,6 +84,7 @@ typedef struct bench_ctx {
     int layer;
     const m3_layer_weights *w;
     m3_seq *seqs; /* [sets * rows] */
+    bool mono;    /* the mono path's layer, else the stock path's */
 } bench_ctx;
 
 /* Build set s's decode step and give it fresh input rows. */
@@ -101,13 +104,21 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* The layer on the benchmarked path. */
+static m3_status run_layer(bench_ctx *b) {
+    m3_engine *e = b->e;
+    if (!b->mono)
+        return m3_stock_layer(e, &e->step, b->layer, false);
+    return m3_mono_run_layer(e->mono, &e->step, b->layer, e->s.hidden, e->s.residual);
+}
+
 static m3_status capture_layer(bench_ctx *b, void **graph) {
     m3_engine *e = b->e;
-    M3_TRY(m3_stock_layer(e, &e->step, b->layer, false)); /* sizes the workspaces */
+    M3_TRY(run_layer(b)); /* sizes the workspaces */
     M3_TRY(e->be->ops->sync(e->be));
     M3_TRY(e->be->ops->graph_begin(e->be));
     e->step.capturing = true;
-    m3_status cap = m3_stock_layer(e, &e->step, b->layer, false);
+    m3_status cap = run_layer(b);
     e->step.capturing = false;
     m3_status end = e->be->ops->graph_end(e->be, cap == M3_OK, graph);
     return cap ? cap : end;
@@ -122,8 +133,9 @@ static m3_status time_point(bench_ctx *b, int rows, int sets, int iters, m3_benc
     for (int s = 0; !st && b->w->moe && s < sets; s++) {
         int n = 0;
         st = prepare_set(b, rows, s);
+        /* the stock MoE op counts the distinct experts; both paths route alike */
         if (!st)
-            st = e->be->ops->graph_launch(e->be, graph);
+            st = m3_stock_layer(e, &e->step, b->layer, false);
         if (!st)
             st = m3_cuda_moe_unique_experts(e->be, &n);
         unique += n;
@@ -148,6 +160,20 @@ static m3_status time_point(bench_ctx *b, int rows, int sets, int iters, m3_benc
     free(us);
     if (graph)
         e->be->ops->graph_free(e->be, graph);
+    const char *trace = getenv("M3_MONO_TRACE");
+    if (!st && b->mono && trace) { /* one eager step, item by item */
+        char path[4096];
+        snprintf(path, sizeof path, "%s.rows%d.ctx%lld.txt", trace, rows,
+                 (long long)e->cache.seqs[b->seqs[0]].len + 1);
+        m3_cuda_mono *x = m3_mono_executor(e->mono);
+        st = prepare_set(b, rows, 0);
+        if (!st)
+            st = m3_cuda_mono_trace_start(x);
+        if (!st)
+            st = run_layer(b);
+        if (!st)
+            st = m3_cuda_mono_trace_write(x, path);
+    }
     return st;
 }
 
@@ -160,7 +186,7 @@ static m3_status run_point(bench_ctx *b, int rows, int64_t context, int iters, d
     p->layer = b->layer;
     p->rows = rows;
     p->context = context;
-    p->path = "stock";
+    p->path = b->mono ? "mono" : "stock";
     p->sets = sets;
     m3_status st = M3_OK;
     int made = 0;
@@ -211,8 +237,8 @@ static void capacity(const m3_bench_layer_opts *o, const m3_config *c,
 }
 
 static m3_status check_opts(const m3_bench_layer_opts *o, const m3_config *c, int layer) {
-    if (strcmp(o->path, "stock"))
-        return m3_fail(M3_ERR_UNSUPPORTED, "bench path '%s' is not available (stock)", o->path);
+    if (strcmp(o->path, "stock") && strcmp(o->path, "mono"))
+        return m3_fail(M3_ERR_UNSUPPORTED, "bench path '%s': expected stock or mono", o->path);
     if (layer < 0 || layer >= c->num_layers)
         return m3_fail(M3_ERR_INVALID_ARG, "layer %d: the model has %d layers", layer,
                        c->num_layers);
@@ -248,7 +274,7 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
     m3_model_opts mo = {true};
     M3_TRY(m3_model_load(o->model_dir, &mo, &model));
     const m3_config *c = m3_model_config(model);
-    bench_ctx b = {NULL, pick_layer(c, o->layer), NULL, NULL};
+    bench_ctx b = {NULL, pick_layer(c, o->layer), NULL, NULL, false};
     m3_status st = check_opts(o, c, b.layer);
     b.w = st ? NULL : &model->w.layers[b.layer];
     m3_engine_opts eo = m3_engine_defaults();
@@ -256,6 +282,8 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
     eo.gpu = o->gpu;
     eo.graphs = true; /* capacity-wide block tables: one capture per row count */
     eo.max_rows = M3_GRAPH_MAX_ROWS;
+    b.mono = !strcmp(o->path, "mono");
+    eo.decode = b.mono ? M3_DECODE_MONO : M3_DECODE_STOCK;
     if (!st)
         capacity(o, c, b.w, &eo.max_seqs, &eo.max_tokens);
     if (!st)
@@ -265,6 +293,8 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
         b.seqs = calloc((size_t)eo.max_seqs, sizeof *b.seqs);
         st = b.seqs ? fill_caches(b.e) : m3_fail(M3_ERR_NO_MEMORY, "out of memory");
     }
+    if (!st && b.mono)
+        st = m3_mono_bind_cache(b.e->mono, &b.e->cache, b.e->cache.n_pages, false);
     if (!st)
         st = m3_cuda_read_bandwidth(b.e->be, (size_t)4 << 30, 20, &out->read_gb_per_s);
     if (!st)

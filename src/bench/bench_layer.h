@@ -21,7 +21,7 @@ typedef struct m3_bench_layer_opts {
     int rows[M3_BENCH_MAX_POINTS], n_rows;
     int64_t contexts[M3_BENCH_MAX_POINTS];
     int n_contexts;
-    const char *path;          /* "stock" */
+    const char *path;          /* "stock" or "mono" */
     int iters;                 /* timed replays per point */
     int gpu;
 } m3_bench_layer_opts;

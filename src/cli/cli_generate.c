@@ -45,12 +45,13 @@ static void gen_usage(FILE *f) {
             "  --ignore-eos       do not stop at the end-of-sequence token\n"
             "  --tp N             tensor-parallel ranks (cpu: one thread each; default 1)\n"
             "  --decode P         stock (op by op), mono (fused layers for decode steps) or\n"
-            "                     auto (mono where its plan allows; the default)\n");
+            "                     auto (mono where its plan allows); default: auto on the\n"
+            "                     cpu, stock on cuda (until the fused kernels beat it)\n");
 }
 
 static int parse_args(int argc, char **argv, gen_args *a) {
     *a = (gen_args){.max_tokens = 32, .top_p = 1.0, .max_rows = 256, .device = "cpu",
-                    .decode = "auto", .tp = 1};
+                    .decode = NULL, .tp = 1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
@@ -116,7 +117,8 @@ static int parse_args(int argc, char **argv, gen_args *a) {
         fprintf(stderr, "m3 generate: --device %s: expected cpu or cuda\n", a->device);
         return CLI_USAGE;
     }
-    if (strcmp(a->decode, "stock") && strcmp(a->decode, "mono") && strcmp(a->decode, "auto")) {
+    if (a->decode && strcmp(a->decode, "stock") && strcmp(a->decode, "mono") &&
+        strcmp(a->decode, "auto")) {
         fprintf(stderr, "m3 generate: --decode %s: expected stock, mono or auto\n", a->decode);
         return CLI_USAGE;
     }
@@ -232,15 +234,19 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
         eo.max_rows = (int)a->max_rows;
         eo.max_seqs = 1;
         eo.tp = (int)a->tp;
-        eo.decode = !strcmp(a->decode, "stock")  ? M3_DECODE_STOCK
-                    : !strcmp(a->decode, "mono") ? M3_DECODE_MONO
-                                                 : M3_DECODE_AUTO;
+        eo.decode = !a->decode                   ? M3_DECODE_DEFAULT
+                    : !strcmp(a->decode, "stock") ? M3_DECODE_STOCK
+                    : !strcmp(a->decode, "mono")  ? M3_DECODE_MONO
+                                                  : M3_DECODE_AUTO;
         /* the cache holds this run, capped at the model's context (a longer
          * prompt is then refused by m3_generate with the limit named) */
         int64_t ctx = m3_model_config(model)->max_position_embeddings;
         eo.max_tokens = n_prompt + a->max_tokens < ctx ? n_prompt + a->max_tokens : ctx;
         st = m3_engine_create(model, &eo, &eng);
     }
+    if (!st && m3_engine_mono_refusal(eng)[0]) /* once, at start: the run goes stock */
+        fprintf(stderr, "m3 generate: %s; decode steps run the stock path\n",
+                m3_engine_mono_refusal(eng));
     if (!st && a->dump_logits)
         st = m3_npy_open(a->dump_logits, m3_model_config(model)->vocab_size, &dump.npy);
     if (!st) {

@@ -9,10 +9,12 @@
 #ifndef M3_CPU_CPU_H
 #define M3_CPU_CPU_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "backend/backend.h"
+#include "cache/cache.h"
 #include "core/pool.h"
 
 typedef struct m3_cpu {
@@ -75,6 +77,48 @@ void m3_route_row(const float *logits, const float *bias, int num_experts, int t
  * ascending, padded with -1. cand is scratch of nblocks entries. */
 void m3_select_row(const float *scores, int nblocks, const m3_select_params *p, int32_t *out,
                    int32_t *cand);
+
+/* ---- per-row / per-head kernels of the ops (the stock ops loop these) ---- */
+
+/* Element offset of (slot page/off's token, head) in a [pages, heads, 128,
+ * dim] cache (the index cache: heads 1). */
+static inline size_t m3_cache_offset(int64_t page, int64_t off, int heads, int head, int dim) {
+    return (size_t)(((page * heads + head) * M3_PAGE_TOKENS + off) * dim);
+}
+/* Keys of block b visible at kv_len: min(kv_len - 128 b, 128) (<= 0: none). */
+static inline int64_t m3_block_keys(int64_t kv_len, int b) {
+    int64_t first = (int64_t)b * M3_PAGE_TOKENS;
+    return kv_len - first < M3_PAGE_TOKENS ? kv_len - first : M3_PAGE_TOKENS;
+}
+/* add_rmsnorm of one row: with add, residual = bf16(add + residual) (in
+ * place); out = bf16(gemma_norm(residual) with w) when out is given, and
+ * out_f32 the same rounded values as fp32 when given. scratch: 2 dim. */
+void m3_add_norm_row(const uint16_t *add, uint16_t *residual, const uint16_t *w, int dim,
+                     float eps, float *scratch, uint16_t *out, float *out_f32);
+/* head_norm_rope of one head in place: gemma norm with w, NeoX RoPE with a
+ * table from m3_rope_table on [0, rotary_dim), rounded to bf16 once.
+ * scratch: 2 dim. */
+void m3_head_norm_rope_row(uint16_t *head, const uint16_t *w, int dim, float eps, int rotary_dim,
+                           const float *cos_t, const float *sin_t, float *scratch);
+/* The index score of one block for one (row, index head): max over its
+ * first count keys (index cache page `page`) of dot(q, key), NaN winning,
+ * times scale; -inf with no key. q fp32 [dim]; kbuf: dim floats. */
+float m3_index_block_score(const float *q, const uint16_t *icache, int64_t page, int64_t count,
+                           int dim, float scale, float *kbuf);
+/* Softmax attention of one query head (KV group g of kv_heads) over the
+ * keys of blocks[0..nblocks) of a row's block table (positions < kv_len):
+ * scores q.k * scale, softmax (max, correctly rounded exp, sum in double),
+ * out = bf16(sum p v accumulated in double) [dim]. buf: 8-byte aligned,
+ * M3_ATTEND_BUF_FLOATS floats for up to max_keys keys. */
+void m3_attend_head(const float *q, int g, int kv_heads, int dim, const uint16_t *kcache,
+                    const uint16_t *vcache, const int32_t *table, const int32_t *blocks,
+                    int nblocks, int64_t kv_len, float scale, float *buf, uint16_t *out);
+#define M3_ATTEND_BUF_FLOATS(dim, max_keys) ((size_t)(dim) * 3 + (size_t)(max_keys))
+/* The MoE output of one element: bf16(scaling * sum_s weights[s] down[s]
+ * (+ shared)), summed in fp32 in routing-rank order; down[s] are the
+ * rounded expert outputs (fp32 values of bf16). */
+uint16_t m3_moe_combine_elem(int k, const float *weights, const float *down, float scaling,
+                             bool has_shared, float shared);
 
 /* ---- ops (the backend table's entries, callable directly) ---- */
 m3_status m3_cpu_linear(m3_backend *be, int rows, const uint16_t *x, const m3_linear *w,

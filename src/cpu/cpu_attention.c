@@ -12,9 +12,8 @@
 #include "core/status.h"
 #include "cpu/cpu.h"
 
-/* Address of (slot's token, head) in a [pages, heads, 128, dim] cache. */
 static inline size_t cache_offset(int64_t page, int64_t off, int heads, int head, int dim) {
-    return (size_t)(((page * heads + head) * M3_PAGE_TOKENS + off) * dim);
+    return m3_cache_offset(page, off, heads, head, dim);
 }
 
 m3_status m3_cpu_cache_write(m3_backend *be, int rows, const int64_t *slots, int heads, int dim,
@@ -62,20 +61,24 @@ static void score_chunk(void *ctx, int64_t begin, int64_t end, int thread) {
                 out[b] = -INFINITY;
                 continue;
             }
-            int64_t first = (int64_t)b * M3_PAGE_TOKENS;
-            int64_t count = kv_len - first < M3_PAGE_TOKENS ? kv_len - first : M3_PAGE_TOKENS;
-            float best = -INFINITY;
-            for (int64_t o = 0; o < count; o++) {
-                m3_bf16_row_to_f32(j->icache + cache_offset(table[b], o, 1, 0, j->dim), k, j->dim);
-                float d = m3_dot_f32(q, k, j->dim);
-                if (d > best || isnan(d))
-                    best = d;
-                if (isnan(best))
-                    break; /* NaN wins the max; selection ranks it lowest */
-            }
-            out[b] = best * j->scale;
+            out[b] = m3_index_block_score(q, j->icache, table[b], m3_block_keys(kv_len, b), j->dim,
+                                          j->scale, k);
         }
     }
+}
+
+float m3_index_block_score(const float *q, const uint16_t *icache, int64_t page, int64_t count,
+                           int dim, float scale, float *kbuf) {
+    float best = -INFINITY;
+    for (int64_t o = 0; o < count; o++) {
+        m3_bf16_row_to_f32(icache + cache_offset(page, o, 1, 0, dim), kbuf, dim);
+        float d = m3_dot_f32(q, kbuf, dim);
+        if (d > best || isnan(d))
+            best = d;
+        if (isnan(best))
+            break; /* NaN wins the max; selection ranks it lowest */
+    }
+    return best * scale;
 }
 
 m3_status m3_cpu_index_scores(m3_backend *be, const m3_step *step, int heads, int dim,
@@ -140,24 +143,19 @@ typedef struct attn_job {
     int64_t max_keys;
 } attn_job;
 
-/* Softmax attention of one query head over the keys of blocks[0..n)
- * (positions < kv_len). buf holds q, the running output, a key and the
- * scores of up to max_keys keys. */
-static void attend(const attn_job *j, const float *q, int g, const int32_t *table,
-                   const int32_t *blocks, int nblocks, int64_t kv_len, float *buf,
-                   uint16_t *out) {
-    int dim = j->dim;
+/* Softmax attention of one query head (see cpu.h). */
+void m3_attend_head(const float *q, int g, int kv_heads, int dim, const uint16_t *kcache,
+                    const uint16_t *vcache, const int32_t *table, const int32_t *blocks,
+                    int nblocks, int64_t kv_len, float scale, float *buf, uint16_t *out) {
     float *acc_f = buf, *kv = buf + 2 * dim, *s = buf + 3 * dim; /* acc: dim doubles */
     int64_t n = 0;
     float m = -INFINITY;
     for (int i = 0; i < nblocks; i++) {
         int b = blocks[i];
-        int64_t first = (int64_t)b * M3_PAGE_TOKENS;
-        int64_t count = kv_len - first < M3_PAGE_TOKENS ? kv_len - first : M3_PAGE_TOKENS;
+        int64_t count = m3_block_keys(kv_len, b);
         for (int64_t o = 0; o < count; o++) {
-            m3_bf16_row_to_f32(j->kcache + cache_offset(table[b], o, j->kv_heads, g, dim), kv,
-                               dim);
-            s[n] = m3_dot_f32(q, kv, dim) * j->scale;
+            m3_bf16_row_to_f32(kcache + cache_offset(table[b], o, kv_heads, g, dim), kv, dim);
+            s[n] = m3_dot_f32(q, kv, dim) * scale;
             m = fmaxf(m, s[n]);
             n++;
         }
@@ -175,12 +173,10 @@ static void attend(const attn_job *j, const float *q, int g, const int32_t *tabl
     n = 0;
     for (int i = 0; i < nblocks; i++) {
         int b = blocks[i];
-        int64_t first = (int64_t)b * M3_PAGE_TOKENS;
-        int64_t count = kv_len - first < M3_PAGE_TOKENS ? kv_len - first : M3_PAGE_TOKENS;
+        int64_t count = m3_block_keys(kv_len, b);
         for (int64_t o = 0; o < count; o++, n++) {
             float p = s[n] / sum;
-            m3_bf16_row_to_f32(j->vcache + cache_offset(table[b], o, j->kv_heads, g, dim), kv,
-                               dim);
+            m3_bf16_row_to_f32(vcache + cache_offset(table[b], o, kv_heads, g, dim), kv, dim);
             for (int d = 0; d < dim; d++)
                 acc[d] += (double)p * (double)kv[d];
         }
@@ -217,7 +213,8 @@ static void attn_chunk(void *ctx, int64_t begin, int64_t end, int thread) {
             blocks = all_blocks;
         }
         m3_bf16_row_to_f32(j->q + item * dim, q, dim);
-        attend(j, q, g, row_table(j->step, t), blocks, nblocks, kv_len, buf, out);
+        m3_attend_head(q, g, j->kv_heads, dim, j->kcache, j->vcache, row_table(j->step, t), blocks,
+                       nblocks, kv_len, j->scale, buf, out);
     }
 }
 

@@ -117,23 +117,32 @@ typedef struct norm_job {
     uint16_t *out;
 } norm_job;
 
+void m3_add_norm_row(const uint16_t *add, uint16_t *res, const uint16_t *w, int dim, float eps,
+                     float *scratch, uint16_t *out, float *out_f32) {
+    float *x = scratch, *y = x + dim;
+    for (int i = 0; i < dim; i++) {
+        float v = m3_bf16_to_f32(res[i]);
+        if (add) { /* the residual is a rounding point */
+            v = m3_round_bf16(m3_bf16_to_f32(add[i]) + v);
+            res[i] = m3_f32_to_bf16(v);
+        }
+        x[i] = v;
+    }
+    m3_gemma_norm_f32(x, w, dim, eps, y);
+    for (int i = 0; i < dim; i++) {
+        uint16_t b = m3_f32_to_bf16(y[i]);
+        if (out)
+            out[i] = b;
+        if (out_f32)
+            out_f32[i] = m3_bf16_to_f32(b);
+    }
+}
+
 static void norm_rows(void *ctx, int64_t begin, int64_t end, int thread) {
     const norm_job *j = ctx;
-    float *x = j->cpu->thread_buf[thread], *y = x + j->dim;
-    for (int64_t t = begin; t < end; t++) {
-        uint16_t *res = j->residual + t * j->dim;
-        for (int i = 0; i < j->dim; i++) {
-            float v = m3_bf16_to_f32(res[i]);
-            if (j->add) { /* the residual is a rounding point */
-                v = m3_round_bf16(m3_bf16_to_f32(j->add[t * j->dim + i]) + v);
-                res[i] = m3_f32_to_bf16(v);
-            }
-            x[i] = v;
-        }
-        m3_gemma_norm_f32(x, j->w, j->dim, j->eps, y);
-        for (int i = 0; i < j->dim; i++)
-            j->out[t * j->dim + i] = m3_f32_to_bf16(y[i]);
-    }
+    for (int64_t t = begin; t < end; t++)
+        m3_add_norm_row(j->add ? j->add + t * j->dim : NULL, j->residual + t * j->dim, j->w, j->dim,
+                        j->eps, j->cpu->thread_buf[thread], j->out + t * j->dim, NULL);
 }
 
 static m3_status cpu_add_rmsnorm(m3_backend *be, int rows, int dim, const uint16_t *add,
@@ -157,20 +166,25 @@ typedef struct rope_job {
     const m3_rope *rope;
 } rope_job;
 
+void m3_head_norm_rope_row(uint16_t *head, const uint16_t *w, int dim, float eps, int rotary_dim,
+                           const float *cos_t, const float *sin_t, float *scratch) {
+    float *x = scratch, *y = x + dim;
+    m3_bf16_row_to_f32(head, x, dim);
+    m3_gemma_norm_f32(x, w, dim, eps, y);
+    m3_rope_apply(y, rotary_dim, cos_t, sin_t);
+    for (int i = 0; i < dim; i++) /* one rounding for norm + RoPE */
+        head[i] = m3_f32_to_bf16(y[i]);
+}
+
 static void rope_rows(void *ctx, int64_t begin, int64_t end, int thread) {
     const rope_job *j = ctx;
     float *cos_t = j->cpu->thread_buf[thread], *sin_t = cos_t + j->dim;
-    float *x = sin_t + j->dim, *y = x + j->dim;
+    float *x = sin_t + j->dim;
     for (int64_t t = begin; t < end; t++) {
         m3_rope_table(j->positions[t], j->rope, cos_t, sin_t);
-        for (int h = 0; h < j->heads; h++) {
-            uint16_t *head = j->x + t * j->row_stride + (int64_t)h * j->dim;
-            m3_bf16_row_to_f32(head, x, j->dim);
-            m3_gemma_norm_f32(x, j->w, j->dim, j->eps, y);
-            m3_rope_apply(y, j->rope->rotary_dim, cos_t, sin_t);
-            for (int i = 0; i < j->dim; i++) /* one rounding for norm + RoPE */
-                head[i] = m3_f32_to_bf16(y[i]);
-        }
+        for (int h = 0; h < j->heads; h++)
+            m3_head_norm_rope_row(j->x + t * j->row_stride + (int64_t)h * j->dim, j->w, j->dim,
+                                  j->eps, j->rope->rotary_dim, cos_t, sin_t, x);
     }
 }
 

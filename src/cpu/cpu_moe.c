@@ -103,18 +103,27 @@ static float down_at(const moe_buffers *b, const void *buf, int64_t i) {
     return m3_bf16_to_f32(((const uint16_t *)buf)[i]);
 }
 
+uint16_t m3_moe_combine_elem(int k, const float *weights, const float *down, float scaling,
+                             bool has_shared, float shared) {
+    float acc = 0;
+    for (int s = 0; s < k; s++)
+        acc += weights[s] * down[s];
+    float y = scaling * acc;
+    if (has_shared)
+        y += shared;
+    return m3_f32_to_bf16(y);
+}
+
 static void combine_rows(void *ctx, int64_t begin, int64_t end, int thread) {
     const combine_job *j = ctx;
+    float down[64];
     for (int64_t t = begin; t < end; t++) {
         for (int64_t h = 0; h < j->H; h++) {
-            float acc = 0;
             for (int s = 0; s < j->k; s++)
-                acc += j->b->weights[t * j->k + s] *
-                       down_at(j->b, j->b->eout, (t * j->k + s) * j->H + h);
-            float y = j->scaling * acc;
-            if (j->has_shared)
-                y += down_at(j->b, j->b->shared, t * j->H + h);
-            j->out[t * j->H + h] = m3_f32_to_bf16(y);
+                down[s] = down_at(j->b, j->b->eout, (t * j->k + s) * j->H + h);
+            float shared = j->has_shared ? down_at(j->b, j->b->shared, t * j->H + h) : 0.0f;
+            j->out[t * j->H + h] = m3_moe_combine_elem(j->k, j->b->weights + t * j->k, down,
+                                                       j->scaling, j->has_shared, shared);
         }
     }
 }

@@ -33,6 +33,7 @@
 #include "decode/step.h"
 #include "m3.h"
 #include "model/model.h"
+#include "mono/fault.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -40,18 +41,10 @@ extern "C" {
 
 #define M3_CUDA_MONO_MAX_ROWS 16
 
-/* The fault word: [0] code (0 = none), [1] layer, [2] row, [3] value.
- * Sticky: the first fault wins (atomicCAS on [0]); cleared only by
- * m3_cuda_mono_clear_fault. */
-enum m3_mono_fault {
-    M3_MONO_FAULT_NONE = 0,
-    M3_MONO_FAULT_SLOT = 1,      /* a row's slot is past the page pool */
-    M3_MONO_FAULT_PAGE = 2,      /* a block table entry is past the pool */
-    M3_MONO_FAULT_PEER_WAIT = 3, /* a peer's push did not arrive in time */
-    M3_MONO_FAULT_ABORTED = 4,   /* the step was aborted (a failure on some rank) */
-    M3_MONO_FAULT_PLANTED = 5,   /* tests */
-};
-const char *m3_mono_fault_name(int code);
+/* The fault word (mono/fault.h): [0] code (0 = none), [1] layer, [2] row,
+ * [3] value. Sticky: the first fault wins (atomicCAS on [0]); cleared only
+ * by m3_cuda_mono_clear_fault. m3_mono_fault_name is defined in
+ * src/mono/fault.c (plain C, every build). */
 
 typedef struct m3_cuda_mono m3_cuda_mono;
 
@@ -75,6 +68,13 @@ m3_status m3_cuda_mono_set_peers(m3_cuda_mono *m, void *const *landings, int wor
 m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int layer,
                              const m3_layer_weights *lw, const m3_cache_layer *cl, bool first,
                              uint32_t epoch, uint16_t *hidden, uint16_t *residual);
+
+/* Item trace for performance work: after trace_start, the launches record
+ * every work item (kernel, kind, CTA, index, start and end on the global
+ * timer); trace_write synchronizes, writes them as text and stops tracing.
+ * Never inside a graph capture. */
+m3_status m3_cuda_mono_trace_start(m3_cuda_mono *m);
+m3_status m3_cuda_mono_trace_write(m3_cuda_mono *m, const char *path);
 
 /* Device pointer of the fault word (int32 [4]). */
 int32_t *m3_cuda_mono_fault_word(m3_cuda_mono *m);

@@ -6,12 +6,15 @@
  * block tables; SPEC §4), runs the forward, and only then commits the new
  * sequence lengths, so a failed step changes nothing.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/pool.h"
 #include "core/status.h"
+#include "cpu/cpu_mono.h"
 #include "decode/engine.h"
+#include "mono/mono.h"
 #include "model/shard.h"
 
 m3_engine_opts m3_engine_defaults(void) {
@@ -157,6 +160,7 @@ static m3_status check_opts(const m3_config *c, m3_engine_opts *o) {
 static void free_rank(m3_engine *e) {
     if (!e)
         return;
+    m3_mono_free(e->mono);
     if (e->be) {
         free_graphs(e);
         if (e->tokens_dev)
@@ -190,6 +194,7 @@ void m3_engine_free(m3_engine *e) {
         free_rank(e->ranks[r]);
         m3_comm_free(e->rank_comms[r]);
     }
+    m3_cpu_mono_group_free(e->mono_group);
     if (e->ranks[0])
         free(e); /* a front holds nothing else */
     else
@@ -254,12 +259,45 @@ static m3_status create_rank(m3_model *model, const m3_engine_opts *opts, int ra
     return M3_OK;
 }
 
+/* The mono path of rank engine e (decode auto or mono): built after its
+ * weights; collective over the TP group. Under auto a refusal is kept in
+ * front->mono_refused and the engine runs stock; under mono it fails. */
+static m3_status start_mono(m3_engine *front, m3_engine *e, void *group) {
+    if (e->opts.decode == M3_DECODE_STOCK)
+        return M3_OK;
+    m3_mono_config mc;
+    m3_status st = m3_mono_default_config(e, e->opts.mono_max_rows, &mc);
+    if (!st)
+        st = m3_mono_create(e, &mc, group, &e->mono);
+    else /* the same on every rank: nothing to agree */
+        m3_fail_context(st, "mono decode refused");
+    if (st && e->opts.decode == M3_DECODE_AUTO) {
+        if (e->tp_rank == 0)
+            snprintf(front->mono_refused, sizeof front->mono_refused, "%s", m3_last_error());
+        snprintf(e->mono_refused, sizeof e->mono_refused, "%s", m3_last_error());
+        return M3_OK;
+    }
+    return st;
+}
+
+static m3_status start_mono_rank(m3_engine *rank, void *front) {
+    m3_engine *f = front;
+    return start_mono(f, rank, f->mono_group);
+}
+
+const char *m3_engine_mono_refusal(const m3_engine *e) { return e->mono_refused; }
+
 m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engine **out) {
     *out = NULL;
     if (!model)
         return m3_fail(M3_ERR_INVALID_ARG, "model is NULL");
     m3_engine_opts o = opts ? *opts : m3_engine_defaults();
     int tp = o.tp ? o.tp : 1;
+    if (o.decode == M3_DECODE_DEFAULT) /* see m3_decode_path */
+        o.decode = o.device == M3_DEVICE_CUDA ? M3_DECODE_STOCK : M3_DECODE_AUTO;
+    if (o.decode < M3_DECODE_DEFAULT || o.decode > M3_DECODE_MONO)
+        return m3_fail(M3_ERR_INVALID_ARG, "decode path %d is not default, auto, stock or mono",
+                       (int)o.decode);
     m3_status st = m3_tp_check(&model->cfg, tp);
     if (!st && tp > 1 && o.device == M3_DEVICE_CUDA)
         st = m3_fail(M3_ERR_UNSUPPORTED, "--tp %d with --device cuda: tensor parallelism over "
@@ -268,7 +306,14 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
         return m3_fail_context(st, "creating the engine");
     if (tp == 1) {
         st = create_rank(model, &o, 0, 1, NULL, out);
-        return st ? m3_fail_context(st, "creating the engine") : M3_OK;
+        if (!st)
+            st = start_mono(*out, *out, NULL);
+        if (st) {
+            m3_engine_free(*out);
+            *out = NULL;
+            return m3_fail_context(st, "creating the engine");
+        }
+        return M3_OK;
     }
     /* TP: one rank engine per rank, sharing the cores */
     m3_engine *f = m3_calloc(1, sizeof *f, "engine");
@@ -290,6 +335,11 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
         if (st)
             m3_fail_context(st, "TP rank %d", r);
     }
+    if (!st && o.decode != M3_DECODE_STOCK && o.device == M3_DEVICE_CPU)
+        st = m3_cpu_mono_group_create(tp, o.mono_max_rows > 0 ? o.mono_max_rows : 16,
+                                      &f->ranks[0]->cfg, o.tp_timeout_ms, &f->mono_group);
+    if (!st)
+        st = m3_tp_run_all(f, start_mono_rank, f);
     if (st) {
         m3_engine_free(f);
         return m3_fail_context(st, "creating the engine");
@@ -442,7 +492,7 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
 /* The graph bucket of a step of `rows` rows (decode: one token per request,
  * each after a prefill), or -1. */
 static int graph_bucket(const m3_engine *e, bool decode, int rows) {
-    if (!e->graphs || !decode || rows > M3_GRAPH_MAX_ROWS || e->executor)
+    if (!e->graphs || !decode || rows > M3_GRAPH_MAX_ROWS)
         return -1;
     int b = 0;
     while ((1 << b) < rows)
@@ -466,16 +516,19 @@ static m3_status run_forward(m3_engine *e, int bucket, int n_out) {
         m3_status cap = m3_forward_device(e, st, n_out);
         st->capturing = false;
         m3_status end = e->be->ops->graph_end(e->be, cap == M3_OK, &e->graph[bucket]);
-        e->mono_steps = mono; /* the capture ran nothing */
+        /* the capture ran nothing; its replays run what it recorded */
+        e->graph_mono[bucket] = e->mono_steps > mono;
+        e->mono_steps = mono;
         e->stock_steps = stock;
         M3_TRY(cap);
         return end;
     }
     M3_TRY(e->be->ops->graph_launch(e->be, e->graph[bucket]));
     e->graph_replays++;
-    if (e->executor) /* never graphed today; counted like an eager step */
-        return M3_OK;
-    e->stock_steps++;
+    if (e->graph_mono[bucket])
+        e->mono_steps++;
+    else
+        e->stock_steps++;
     return M3_OK;
 }
 
@@ -498,6 +551,8 @@ static m3_status step_forward(m3_engine *e, const m3_request *reqs, int n_reqs,
             decode = decode && reqs[q].n_tokens == 1 && e->cache.seqs[reqs[q].seq].len > 0;
         bucket = graph_bucket(e, decode, rows);
         int padded = bucket >= 0 ? 1 << bucket : rows;
+        if (bucket < 0 && decode && e->mono && m3_mono_width(e->mono, rows) > 0)
+            padded = m3_mono_width(e->mono, rows); /* the mono path's compiled widths */
         st = build_step(e, reqs, n_reqs, rows, padded);
         if (!st && bucket >= 0)
             n_out = padded; /* a graph computes every padded row's logits */
@@ -509,12 +564,17 @@ static m3_status step_forward(m3_engine *e, const m3_request *reqs, int n_reqs,
     if (e->tp_size > 1) {
         /* commit on every rank or on none: a rank that failed ends its
          * peers' waits, and everyone learns the outcome */
-        if (st)
-            e->comm->ops->abort(e->comm, m3_last_error());
+        char why[512] = "";
+        if (st) {
+            snprintf(why, sizeof why, "%s", m3_last_error());
+            e->comm->ops->abort(e->comm, why);
+        }
         bool all_ok = false;
         m3_status agreed = m3_comm_agree(e->comm, st == M3_OK, &all_ok);
         if (!st && (agreed || !all_ok))
             st = m3_fail(M3_ERR_FAULT, "the step failed on another TP rank");
+        else if (st) /* the agreement's own message must not hide the cause */
+            m3_fail(st, "%s", why);
     }
     if (st) {
         /* give back the pages this step took; lengths never moved */

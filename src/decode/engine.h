@@ -36,17 +36,6 @@ typedef struct m3_scratch {
     float *logits;       /* [R, V]: this rank's vocabulary slice at TP > 1 */
 } m3_scratch;
 
-/* A contiguous range of layers run by a fused executor for one step
- * (SPEC §5); NULL in the engine until the mono path plugs in. */
-typedef struct m3_layer_range_executor {
-    int first_layer, last_layer;
-    /* true: this executor runs the step's layers [first, last] */
-    bool (*plan)(void *self, const m3_step *step);
-    m3_status (*run)(void *self, const m3_step *step, uint16_t *hidden, uint16_t *residual);
-    m3_status (*after_step)(void *self, m3_status failure);
-    void *self;
-} m3_layer_range_executor;
-
 /* Called after each layer with the step's hidden and residual (backend
  * memory); for tests and debugging, NULL otherwise. */
 typedef void (*m3_layer_hook)(void *user, int layer, const m3_step *step, const uint16_t *hidden,
@@ -64,6 +53,7 @@ struct m3_engine {
     struct m3_engine *ranks[M3_MAX_TP]; /* front only */
     m3_comm *rank_comms[M3_MAX_TP];     /* front only: the group's comms */
     m3_weights shard;    /* rank engines at TP > 1: the views this rank holds */
+    struct m3_cpu_mono_group *mono_group; /* front on the CPU: the mono executors' peers */
     m3_dtype partial_dtype; /* F64 on the CPU (exact), F32 on the GPU */
     m3_engine_opts opts;
     m3_backend *be;
@@ -73,7 +63,9 @@ struct m3_engine {
     m3_scratch s;
     m3_step step;
     int max_blocks;      /* block table width: ceil(max_context / 128) */
-    m3_layer_range_executor *executor;
+    struct m3_mono *mono;  /* the mono path's lifecycle (NULL: stock only) */
+    char mono_refused[512];/* decode auto: why mono was refused ("" if it was not) */
+    bool graph_mono[M3_GRAPH_BUCKETS]; /* the bucket's graph captured a mono step */
     int64_t mono_steps, stock_steps, graph_replays;
     bool graphs;         /* capture and replay decode steps */
     bool stable_width;   /* block tables always max_blocks wide */
@@ -93,6 +85,11 @@ m3_status m3_forward_device(m3_engine *eng, const m3_step *step, int n_out);
 /* One layer of the stock path on the step (layer 0: first = true, the
  * residual holds the embedding). Launches only. */
 m3_status m3_stock_layer(m3_engine *eng, const m3_step *step, int layer, bool first);
+
+/* Run fn(rank engine, arg) on every rank of a front at once, one thread
+ * each (collectives inside fn need every rank); the first rank's own
+ * failure is returned (engine_tp.c). */
+m3_status m3_tp_run_all(m3_engine *front, m3_status (*fn)(m3_engine *rank, void *arg), void *arg);
 
 /* A step of a TP front engine (engine_tp.c): every rank on its own thread. */
 m3_status m3_tp_front_step(m3_engine *front, const m3_request *reqs, int n_reqs, float *logits,

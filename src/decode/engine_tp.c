@@ -18,16 +18,15 @@
 
 typedef struct rank_job {
     m3_engine *e;
-    const m3_request *reqs;
-    int n_reqs;
-    float *logits, *all_logits; /* this rank's vocabulary slice */
+    m3_status (*fn)(m3_engine *rank, void *arg);
+    void *arg;
     m3_status st;
     char msg[512];
 } rank_job;
 
-static void *rank_main(void *arg) {
-    rank_job *j = arg;
-    j->st = m3_engine_step(j->e, j->reqs, j->n_reqs, j->logits, j->all_logits);
+static void *rank_main(void *p) {
+    rank_job *j = p;
+    j->st = j->fn(j->e, j->arg);
     if (j->st)
         snprintf(j->msg, sizeof j->msg, "%s", m3_last_error());
     return NULL;
@@ -35,7 +34,58 @@ static void *rank_main(void *arg) {
 
 /* A message caused by a peer's failure rather than this rank's own. */
 static bool from_peer(const char *msg) {
-    return strstr(msg, "failed on another TP rank") || strstr(msg, "group was aborted");
+    return strstr(msg, "another TP rank") || strstr(msg, "group was aborted");
+}
+
+m3_status m3_tp_run_all(m3_engine *f, m3_status (*fn)(m3_engine *rank, void *arg), void *arg) {
+    int tp = f->tp_size;
+    rank_job jobs[M3_MAX_TP] = {{0}};
+    pthread_t threads[M3_MAX_TP];
+    bool started[M3_MAX_TP] = {0};
+    m3_status st = M3_OK;
+    if (tp < 1 || tp > M3_MAX_TP)
+        return m3_fail(M3_ERR_INTERNAL, "TP front with %d ranks", tp);
+    for (int r = 0; r < tp; r++)
+        jobs[r] = (rank_job){f->ranks[r], fn, arg, M3_OK, ""};
+    for (int r = 1; r < tp && !st; r++) {
+        if (pthread_create(&threads[r], NULL, rank_main, &jobs[r]) == 0) {
+            started[r] = true;
+        } else {
+            /* ranks already started may wait for this one: end their waits */
+            f->rank_comms[0]->ops->abort(f->rank_comms[0], "could not start a rank thread");
+            st = m3_fail(M3_ERR_INTERNAL, "could not start the thread of TP rank %d", r);
+        }
+    }
+    if (!st)
+        rank_main(&jobs[0]);
+    for (int r = 1; r < tp; r++)
+        if (started[r])
+            pthread_join(threads[r], NULL);
+    if (!st) {
+        /* the first failing rank whose failure was its own, else the first */
+        int root = -1;
+        for (int r = 0; r < tp; r++)
+            if (jobs[r].st && (root < 0 || (from_peer(jobs[root].msg) && !from_peer(jobs[r].msg))))
+                root = r;
+        if (root >= 0)
+            st = m3_fail(jobs[root].st, "TP rank %d: %s", root, jobs[root].msg);
+    }
+    if (st) /* every rank is idle again: the group may be used afresh */
+        m3_comm_threads_reset(f->rank_comms[0]);
+    return st;
+}
+
+typedef struct step_args {
+    const m3_request *reqs;
+    int n_reqs;
+    float *slices[M3_MAX_TP]; /* each rank's vocabulary slice of the logits */
+    bool all;
+} step_args;
+
+static m3_status rank_step(m3_engine *e, void *p) {
+    step_args *a = p;
+    float *slice = a->slices[e->tp_rank];
+    return m3_engine_step(e, a->reqs, a->n_reqs, a->all ? NULL : slice, a->all ? slice : NULL);
 }
 
 /* out [n, V] <- the ranks' slices [n, V/tp] side by side */
@@ -55,47 +105,17 @@ m3_status m3_tp_front_step(m3_engine *f, const m3_request *reqs, int n_reqs, flo
     if (n_reqs < 1 || n_out < 1)
         return m3_engine_step(f->ranks[0], reqs, n_reqs, logits, all_logits); /* its message */
     size_t slice = (size_t)n_out * (size_t)f->ranks[0]->cfg.vocab_size;
-    rank_job jobs[M3_MAX_TP];
-    float *slices[M3_MAX_TP] = {0};
-    pthread_t threads[M3_MAX_TP];
-    bool started[M3_MAX_TP] = {0};
+    step_args a = {reqs, n_reqs, {0}, all_logits != NULL};
     m3_status st = M3_OK;
     for (int r = 0; r < tp && !st; r++) {
-        slices[r] = m3_malloc(slice * sizeof(float), "TP logits slice");
-        if (!slices[r])
+        a.slices[r] = m3_malloc(slice * sizeof(float), "TP logits slice");
+        if (!a.slices[r])
             st = M3_ERR_NO_MEMORY;
     }
-    for (int r = 0; r < tp && !st; r++) {
-        jobs[r] = (rank_job){f->ranks[r], reqs, n_reqs, all_logits ? NULL : slices[r],
-                             all_logits ? slices[r] : NULL, M3_OK, ""};
-        if (r > 0 && pthread_create(&threads[r], NULL, rank_main, &jobs[r]) == 0)
-            started[r] = true;
-        else if (r > 0) {
-            /* ranks already started wait for this one: end their waits */
-            f->rank_comms[0]->ops->abort(f->rank_comms[0], "could not start a rank thread");
-            st = m3_fail(M3_ERR_INTERNAL, "could not start the thread of TP rank %d", r);
-        }
-    }
     if (!st)
-        rank_main(&jobs[0]);
-    else
-        jobs[0].st = st;
-    for (int r = 1; r < tp; r++)
-        if (started[r])
-            pthread_join(threads[r], NULL);
-    if (!st) {
-        /* the first failing rank whose failure was its own, else the first */
-        int root = -1;
-        for (int r = 0; r < tp; r++)
-            if (jobs[r].st && (root < 0 || (from_peer(jobs[root].msg) && !from_peer(jobs[r].msg))))
-                root = r;
-        if (root >= 0)
-            st = m3_fail(jobs[root].st, "TP rank %d: %s", root, jobs[root].msg);
-    }
-    if (st)
-        m3_comm_threads_reset(f->rank_comms[0]);
+        st = m3_tp_run_all(f, rank_step, &a);
     if (!st && all_logits) {
-        interleave(f, slices, n_out, all_logits);
+        interleave(f, a.slices, n_out, all_logits);
         if (logits) {
             int64_t V = f->vocab_full;
             for (int q = 0, t = 0; q < n_reqs; q++) {
@@ -104,9 +124,9 @@ m3_status m3_tp_front_step(m3_engine *f, const m3_request *reqs, int n_reqs, flo
             }
         }
     } else if (!st) {
-        interleave(f, slices, n_out, logits);
+        interleave(f, a.slices, n_out, logits);
     }
     for (int r = 0; r < tp; r++)
-        free(slices[r]);
+        free(a.slices[r]);
     return st;
 }

@@ -11,6 +11,7 @@
 
 #include "core/status.h"
 #include "decode/engine.h"
+#include "mono/mono.h"
 
 /* TP: out = bf16(sum over ranks of s->partial [T, H]), summed in rank order
  * so every rank holds the same bits. The CPU's partials are fp64 (rounded
@@ -122,13 +123,21 @@ m3_status m3_forward_device(m3_engine *eng, const m3_step *st, int n_out) {
     if (eng->tp_size > 1)
         M3_TRY(eng->comm->ops->all_reduce_sum_bf16(eng->comm, eng->s.residual,
                                                    (int64_t)st->rows * c->hidden_size));
-    m3_layer_range_executor *ex = eng->executor;
-    bool fused = ex && ex->plan(ex->self, st);
+    /* the mono path takes its layer range when its plan allows (SPEC §5) */
+    m3_mono *mono = eng->mono;
+    bool fused = false;
     m3_status failure = M3_OK;
+    if (mono && m3_mono_get_health(mono).state == M3_MONO_CLOSED)
+        mono = NULL; /* closed: stock from now on */
+    if (mono) {
+        failure = m3_mono_bind_cache(mono, &eng->cache, st->n_pages, st->capturing);
+        fused = !failure && m3_mono_plan(mono, st, false, NULL);
+    }
+    int first = fused ? m3_mono_first_layer(mono) : -1;
     for (int li = 0; li < c->num_layers && !failure; li++) {
-        if (fused && li == ex->first_layer) {
-            failure = ex->run(ex->self, st, eng->s.hidden, eng->s.residual);
-            li = ex->last_layer;
+        if (li == first) {
+            failure = m3_mono_run(mono, st, eng->s.hidden, eng->s.residual);
+            li = m3_mono_last_layer(mono);
             continue;
         }
         failure = m3_stock_layer(eng, st, li, li == 0);
@@ -141,11 +150,8 @@ m3_status m3_forward_device(m3_engine *eng, const m3_step *st, int n_out) {
         eng->mono_steps++;
     else
         eng->stock_steps++;
-    if (ex) {
-        m3_status after = ex->after_step(ex->self, failure);
-        if (!failure)
-            failure = after;
-    }
+    if (mono) /* before logits and sampling: abort a failed step, check the fault word */
+        failure = m3_mono_after_step(mono, fused, failure);
     M3_TRY(failure);
     return final_logits(eng, n_out);
 }

@@ -1224,6 +1224,30 @@ def gen_device_nonsense():
 
 
 @case
+def gen_decode_nonsense():
+    expect_fail(gen_args(GOOD, "--decode", "fast"),
+                ["--decode fast: expected stock, mono or auto"], rc=2)
+
+
+@case
+def gen_tp_out_of_range():
+    expect_fail(gen_args(GOOD, "--tp", "0"), ["--tp"], rc=2)
+    expect_fail(gen_args(GOOD, "--tp", "9"), ["--tp"], rc=2)
+    expect_fail(gen_args(GOOD, "--tp", "two"), ["--tp"], rc=2)
+
+
+@case
+def gen_tp_does_not_divide():
+    # GOOD is the tiny preset: 4 query heads, 2 KV heads
+    expect_fail(gen_args(GOOD, "--tp", "3"), ["tp = 3", "num_attention_heads = 4"], rc=1)
+
+
+@case
+def gen_tp_on_cuda_not_built():
+    expect_fail(gen_args(GOOD, "--tp", "2", "--device", "cuda"), ["--tp 2", "cuda"], rc=1)
+
+
+@case
 def gen_model_empty_dir():
     d = case_dir("gen_model_empty_dir")
     expect_fail(gen_args(d), [d, "config.json"], rc=1)
@@ -1431,6 +1455,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m3", required=True, help="the m3 binary")
     ap.add_argument("--work", required=True, help="scratch folder (emptied)")
+    ap.add_argument("--quick", action="store_true", help="accepted for the sanitizer build; runs in full")
     ap.add_argument("-k", default="", help="run only cases whose name holds this")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args()

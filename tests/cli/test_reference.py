@@ -135,6 +135,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m3", required=True)
     ap.add_argument("--work", required=True)
+    ap.add_argument("--quick", action="store_true", help="accepted for the sanitizer build; runs in full")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     m3, work = args.m3, args.work

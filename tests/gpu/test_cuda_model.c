@@ -1,9 +1,11 @@
 /*
  * Whole-model GPU-vs-CPU tests through the public engine API (SPEC §8).
  * For each of the `tiny` and `small` presets, a checkpoint is synthesized
- * (m3_synth) into a temporary folder and loaded once; a CPU engine (the
- * reference), a CUDA engine replaying decode steps from graphs and a CUDA
- * engine without graphs run it:
+ * (m3_synth) into a temporary folder and loaded; a CPU engine (the
+ * reference, stock path), a CUDA engine replaying decode steps from graphs
+ * and a CUDA engine without graphs run it, all of it twice: the CUDA
+ * engines on the stock path, then on the mono path (fused kernels for every
+ * decode step; prefills stay stock):
  *
  *   (a) teacher-forced: one prefill step of a 700-token prompt (more than
  *       topk_blocks * 128 tokens, so the sparse layers really select) with
@@ -69,6 +71,8 @@
 
 typedef struct ctx {
     const char *preset;
+    const char *label;     /* preset and decode path, for the results */
+    m3_decode_path decode; /* the CUDA engines' decode path */
     m3_config cfg;
     int V;
     char dir[512];
@@ -83,7 +87,7 @@ typedef struct ctx {
 /* ------------------------------------------------------------ results */
 
 typedef struct result {
-    char preset[16], test[40], value[128], bound[16];
+    char preset[20], test[40], value[128], bound[16];
     const char *verdict;
 } result;
 
@@ -93,7 +97,7 @@ static int g_n_res, g_fails, g_warns;
 static void record(const ctx *c, const char *test, const char *bound, const char *verdict,
                    const char *fmt, ...) {
     result *r = &g_res[g_n_res < 63 ? g_n_res++ : 63];
-    snprintf(r->preset, sizeof r->preset, "%s", c->preset);
+    snprintf(r->preset, sizeof r->preset, "%s", c->label);
     snprintf(r->test, sizeof r->test, "%s", test);
     snprintf(r->bound, sizeof r->bound, "%s", bound);
     va_list ap;
@@ -686,9 +690,11 @@ static void remove_dir(const char *dir) {
     rmdir(dir);
 }
 
-static m3_status make_engine(m3_model *m, m3_device dev, bool graphs, m3_engine **out) {
+static m3_status make_engine(m3_model *m, m3_device dev, bool graphs, m3_decode_path decode,
+                             m3_engine **out) {
     m3_engine_opts o = m3_engine_defaults();
     o.device = dev;
+    o.decode = decode;
     o.graphs = graphs;
     o.max_rows = 1024;          /* the 700-row prefill in one step */
     o.max_seqs = 2 * MAX_BATCH; /* (d): each sequence twice */
@@ -714,9 +720,14 @@ static bool setup(ctx *c, uint64_t *rng) {
     c->V = c->cfg.vocab_size;
     for (int i = 0; i < PROMPT; i++)
         c->prompt[i] = (int32_t)(gpu_rng_next(rng) % (uint64_t)c->V);
-    return ok(c, t, make_engine(c->model, M3_DEVICE_CPU, false, &c->cpu), "CPU engine") &&
-           ok(c, t, make_engine(c->model, M3_DEVICE_CUDA, true, &c->gpu), "CUDA engine") &&
-           ok(c, t, make_engine(c->model, M3_DEVICE_CUDA, false, &c->eager), "CUDA eager engine");
+    /* the reference is the CPU's stock path; the CUDA engines run c->decode
+     * (mono: every decode step through the fused kernels, or a refusal) */
+    return ok(c, t, make_engine(c->model, M3_DEVICE_CPU, false, M3_DECODE_STOCK, &c->cpu),
+              "CPU engine") &&
+           ok(c, t, make_engine(c->model, M3_DEVICE_CUDA, true, c->decode, &c->gpu),
+              "CUDA engine") &&
+           ok(c, t, make_engine(c->model, M3_DEVICE_CUDA, false, c->decode, &c->eager),
+              "CUDA eager engine");
 }
 
 static void teardown(ctx *c) {
@@ -728,11 +739,15 @@ static void teardown(ctx *c) {
         remove_dir(c->dir);
 }
 
-static void run_preset(const char *preset, uint64_t *rng) {
+static void run_preset(const char *preset, m3_decode_path decode, uint64_t *rng) {
     ctx *c = calloc(1, sizeof *c);
     if (!c)
         exit(1);
     c->preset = preset;
+    c->decode = decode;
+    char label[20];
+    snprintf(label, sizeof label, "%s/%s", preset, decode == M3_DECODE_MONO ? "mono" : "stock");
+    c->label = label;
     if (setup(c, rng)) {
         printf("%s: vocab %d, %d layers, topk %d blocks (%d tokens); prompt %d tokens\n", preset,
                c->V, c->cfg.num_layers, c->cfg.topk_blocks, c->cfg.topk_blocks * 128, PROMPT);
@@ -742,6 +757,13 @@ static void run_preset(const char *preset, uint64_t *rng) {
         static const int counts[] = {1, 2, 3, 4, 5, 16};
         for (size_t i = 0; i < sizeof counts / sizeof *counts; i++)
             concurrency_case(c, counts[i]);
+        /* the mono runs must have run mono steps (eager engine: no graphs) */
+        m3_engine_stats s = m3_engine_get_stats(c->eager);
+        bool want_mono = decode == M3_DECODE_MONO;
+        record(c, "decode path", want_mono ? "> 0 mono" : "0 mono",
+               (s.mono_steps > 0) == want_mono ? "PASS" : "FAIL",
+               "eager engine: %lld mono steps, %lld stock steps", (long long)s.mono_steps,
+               (long long)s.stock_steps);
     }
     teardown(c);
     free(c);
@@ -758,10 +780,18 @@ int main(void) {
     clock_gettime(CLOCK_MONOTONIC, &t0);
     /* M3_TEST_PRESET=tiny|small runs one preset (for debugging) */
     const char *only = getenv("M3_TEST_PRESET");
-    if (!only || !strcmp(only, "tiny"))
-        run_preset("tiny", &rng);
-    if (!only || !strcmp(only, "small"))
-        run_preset("small", &rng);
+    /* each preset with the CUDA engines on the stock path, then on the mono
+     * path (M3_TEST_DECODE=stock|mono runs one) */
+    const char *dec = getenv("M3_TEST_DECODE");
+    for (int d = 0; d < 2; d++) {
+        m3_decode_path path = d ? M3_DECODE_MONO : M3_DECODE_STOCK;
+        if (dec && strcmp(dec, d ? "mono" : "stock"))
+            continue;
+        if (!only || !strcmp(only, "tiny"))
+            run_preset("tiny", path, &rng);
+        if (!only || !strcmp(only, "small"))
+            run_preset("small", path, &rng);
+    }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     printf("\n%-6s %-34s %-70s %-9s %s\n", "preset", "check", "result", "bound", "verdict");
     for (int i = 0; i < g_n_res; i++)

@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Summarise a mono-kernel item trace (M3_MONO_TRACE=prefix m3 bench layer --path mono).
+
+Per kernel and item kind: how many items, when the first started and the
+last ended (µs from the kernel's first item), the summed busy time, and the
+median item time. The gaps between kinds are where CTAs waited.
+"""
+import sys
+from collections import defaultdict
+
+PRE = ["norm1", "proj", "index"]
+POST = ["select", "attention", "o_proj", "norm2", "router", "shared_gu", "expert_gu",
+        "shared_down", "expert_down", "final"]
+
+
+def main(path):
+    rows = [list(map(int, l.split())) for l in open(path).read().splitlines()[1:] if l.strip()]
+    by = defaultdict(list)
+    for k, kind, cta, item, t0, t1 in rows:
+        by[(k, kind)].append((t0, t1, cta))
+    print(path)
+    for k in (0, 1):
+        ks = [v for (kk, _), v in by.items() if kk == k]
+        if not ks:
+            continue
+        start = min(t0 for v in ks for t0, _, _ in v)
+        end = max(t1 for v in ks for _, t1, _ in v)
+        ctas = len({c for v in ks for _, _, c in v})
+        print("  %s kernel: %.1f us from first item to last, %d CTAs took items" %
+              ("pre" if k == 0 else "post", (end - start) / 1e3, ctas))
+        names = PRE if k == 0 else POST
+        for kind in sorted(kind for kk, kind in by if kk == k):
+            v = by[(k, kind)]
+            d = sorted(t1 - t0 for t0, t1, _ in v)
+            print("    %-12s n=%5d  first %8.1f  last end %8.1f  busy %9.1f  median %7.2f  max %7.2f us" %
+                  (names[kind] if kind < len(names) else kind, len(v),
+                   (min(t0 for t0, _, _ in v) - start) / 1e3,
+                   (max(t1 for _, t1, _ in v) - start) / 1e3,
+                   sum(d) / 1e3, d[len(d) // 2] / 1e3, d[-1] / 1e3))
+
+
+if __name__ == "__main__":
+    for p in sys.argv[1:]:
+        main(p)

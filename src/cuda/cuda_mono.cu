@@ -1,0 +1,744 @@
+/*
+ * The mono path's CUDA executor (SPEC §5, cuda/cuda_mono.h): one sparse
+ * attention + MoE layer of a decode step (<= 16 rows) in two launches of
+ * persistent kernels, computing exactly decode/forward.c m3_stock_layer
+ * with its rounding points (SPEC §2.3).
+ *
+ * Launch structure. Both kernels run P = SMs x (resident CTAs per SM)
+ * CTAs of 128 threads (4 warps). Work is a list of items in a fixed order;
+ * a CTA takes the next item from a queue counter (one atomic, prefetched
+ * while it works on the current item) until the list is exhausted.
+ * Dependencies between items are counters in device memory: a producer
+ * bumps a counter after its writes (fence + atomic: release), a consumer
+ * spins on it (ld.acquire) before reading; the "last arriver" of a group
+ * (the CTA whose atomic completes the count) does the group's follow-up
+ * work (threadFenceReduction style). There is no grid-wide barrier at all:
+ *   - every dependency points to an earlier item of the list, and items
+ *     are handed out in list order, so the earliest unfinished item is
+ *     always held by a running CTA whose inputs are complete: no deadlock,
+ *     even when not every CTA is resident (no cooperative launch needed);
+ *   - a CTA that runs ahead starts on the next item instead of idling at
+ *     a barrier; waits happen only where data is really missing.
+ * Counters start at zero: the last CTA to leave a kernel (an exit counter)
+ * zeroes them. Launches on one stream never overlap, so this holds for
+ * eager launches and graph replays alike (nothing depends on host values
+ * that change between replays).
+ *
+ *   pre  (launch 1): norm1 rows | projection tiles (iq, ik, k, v, q: one
+ *        virtual matrix, iq/ik first so the indexer's inputs are ready
+ *        first) — the last tile of each 128-wide head does that head's
+ *        Gemma norm + RoPE (one rounding) for all rows and its cache write
+ *        (k, v, ik) | index scores (row, slice of blocks), waiting only for
+ *        the index heads.
+ *   post (launch 2): selection (row, head) | attention (row, KV head, head
+ *        tile, split: one selected block per split), the last split of a
+ *        group merges the partials | o_proj tiles | norm2 rows | router
+ *        tiles (fp32), the last one routes every row and plans the distinct
+ *        experts | shared expert gate+up tiles | routed gate+up tiles
+ *        (n_uniq x I/4, only the experts the rows route to) | shared down
+ *        tiles | routed down tiles (n_uniq x H/8) — the last contribution
+ *        to an 8-column tile of the output combines it | TP: final sums.
+ *
+ * GEMV tiles: 8 output rows (2 per warp) over K, the rows' activations
+ * staged in shared memory 1024 columns at a time; weights streamed once
+ * with 16-byte (bf16) / 8-byte (e4m3) loads, exactly the inner loop of
+ * cuda_gemv.cuh (same sums in the same order). Latency: an item asks L2 for
+ * its first two chunks of weight rows (cp.async.bulk.prefetch, one request
+ * per row) as soon as it starts, before it waits on its inputs, and the K
+ * loop keeps that prefetch two chunks ahead; each chunk's weight loads are
+ * issued before its activations are staged. Routed down items cover four
+ * 8-column tiles of one expert. Narrow matrices are split over K exactly as the stock
+ * linear op splits them (its rule, its 1024-column slices; the count
+ * depends on the shape and the SM count, never on the row count), and the
+ * tile's last arriver sums the partials in slice order: every dense product
+ * gives the stock path's bits, so the projections, the cache entries, the
+ * index scores and hence the block selections equal the stock path's.
+ * Results are deterministic, and a row's values do not depend on the other
+ * rows of the step (batch invariance): attention splits (one per top-k
+ * block), index slices and the MoE member groups depend on capacities or
+ * per-row data only.
+ *
+ * Precision: the stock kernels' arithmetic (norms: squares summed in
+ * double, mean rounded once; RoPE angle in double from the host's pow();
+ * index dots in fp64 with the CPU's accumulator order, so scores and the
+ * selection equal the stock path's; attention on bf16 tensor cores with
+ * the flash-decoding merge; router in fp32; the SPEC's rounding points).
+ * Several device routines are ports of cuda_attention.cu / cuda_moe.cu /
+ * cuda_elementwise.cu (same math, item-sized instead of kernel-sized).
+ *
+ * TP (world > 1): o_proj and the FFN produce fp32 partial sums (no bf16
+ * rounding of partial down outputs); every value is pushed to every rank's
+ * landing buffer as an 8-byte (value, tag) pair (NCCL's LL protocol: an
+ * aligned 8-byte store is seen whole, so no fences are needed); the tag is
+ * derived from a device-side count of the executor's layer calls (equal on
+ * every rank, new on every call, also under CUDA graph replay, where a
+ * host-side epoch would be frozen into the graph). Readers spin on each
+ * pair's tag (bounded: M3_MONO_FAULT_PEER_WAIT after kPeerTimeoutNs) and
+ * sum ranks in rank order, so every rank gets identical bits; the result
+ * is rounded once. A landing slot is reused only after every rank has
+ * consumed it (the next push to it depends, through the other all-reduce,
+ * on the reader having finished), so one buffer per all-reduce suffices.
+ * World 1 keeps the stock rounding (o rounded; expert and shared down
+ * outputs rounded before the combine).
+ *
+ * Faults: a real row's slot past the pool, a block table page outside the
+ * pool (or a row past its block table), a peer that does not push in time
+ * set the fault word (first one wins). Every item checks the word when it
+ * starts and skips its work once it is set (counters still advance, so no
+ * wait hangs); no access is ever made out of bounds.
+ */
+/*
+ * Files: cuda_mono.cu (this: host side: create, per-call arguments, trace,
+ * fault word), cuda_mono_args.cuh (constants, MonoArgs, the kernel unit's
+ * entry points), cuda_mono_kernels.cu (the kernels' item loops, launches)
+ * with its parts cuda_mono_dev.cuh (counters, GEMV core, norms),
+ * cuda_mono_pre.cuh (launch 1 items), cuda_mono_attn.cuh (selection,
+ * attention), cuda_mono_ffn.cuh (o_proj .. experts).
+ */
+#include "cuda/cuda_mono_args.cuh"
+
+using namespace m3mono;
+
+/* ================================================================ host */
+
+struct m3_cuda_mono {
+    m3_backend *be;
+    m3_cuda *cu;
+    m3_config cfg;
+    int max_blocks, rank, world;
+    int P;              /* CTAs per launch */
+    size_t smem;        /* dynamic shared memory per CTA */
+    int mtiles, S, s_p[5], p_item0[6], s_pmax, s_o, s_rt, s_shgu, s_shdn, sel_staged;
+    int Ntot, nheads, rt_tiles, n_ctr;
+    int o_head, o_ptile, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb;
+    double inv_freq[kMaxHalf];
+    void *block;        /* every buffer below, one allocation */
+    size_t block_bytes;
+    uint16_t *x1, *proj, *attn, *o, *x2, *act, *sh_act;
+    float *scores;
+    int32_t *sel;
+    float2 *att_ml;
+    float *att_acc, *logits, *rw;
+    int32_t *rids, *uniq, *ufirst, *members, *n_uniq;
+    float *eout, *sh_out, *part_proj, *part_o, *part_rt, *part_shgu, *part_shdn;
+    unsigned *ctr, *calls;
+    int *fault;
+    uint2 *landing;     /* world > 1 */
+    size_t landing_bytes;
+    uint2 **peers_dev;  /* [world] */
+    bool peers_set;
+    unsigned long long *trace; /* M3_MONO_TRACE: item trace (cudaMalloc'd) */
+    unsigned *trace_n;
+    unsigned trace_cap;
+    bool tracing;       /* between trace_start and trace_write */
+};
+
+#define MONO_FAIL(st, ...) m3_fail((st), "mono: " __VA_ARGS__)
+
+/* The K splits the stock GEMV uses for an [N, K] weight (cuda_linear.cu
+ * k_splits: CTAs of cta_rows output rows, about two CTAs per SM), so every
+ * dense product here sums in the stock path's order and gives its bits
+ * (the projections, hence the cache entries and the index scores, equal the
+ * stock path's; selections too). Depends on shapes and the SM count only,
+ * never on the step's rows. */
+static int stock_splits(int sm_count, int64_t N, int64_t K, int cta_rows) {
+    int64_t n_tiles = (N + cta_rows - 1) / cta_rows;
+    int64_t chunks = (K + kKC - 1) / kKC;
+    int64_t want = 2 * (int64_t)(sm_count > 0 ? sm_count : 1);
+    if (n_tiles >= want || chunks < 2)
+        return 1;
+    int64_t s = (want + n_tiles - 1) / n_tiles;
+    return (int)(s < chunks ? s : chunks);
+}
+
+static m3_status check_config(const m3_config *c, int max_blocks, int rank, int world) {
+    if (world < 1 || world > 64 || rank < 0 || rank >= world)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "TP rank %d of %d is invalid", rank, world);
+    if (max_blocks < 1 || max_blocks > (1 << 22))
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "max_blocks %d is out of range", max_blocks);
+    if (c->head_dim != kHD)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "head_dim %d is not supported (only %d)", c->head_dim,
+                         kHD);
+    if (c->index_dim != kHD)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "index_dim %d is not supported (only %d)",
+                         c->index_dim, kHD);
+    if (c->block_size != M3_PAGE)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "sparse block size %d is not supported (only %d)",
+                         c->block_size, M3_PAGE);
+    if (c->rotary_dim < 0 || c->rotary_dim % 2 || c->rotary_dim > 2 * kMaxHalf)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "rotary_dim %d must be even and at most %d",
+                         c->rotary_dim, 2 * kMaxHalf);
+    if (!(c->rope_theta > 0))
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "rope_theta %g must be > 0", c->rope_theta);
+    if (c->num_q_heads < 1 || c->num_kv_heads < 1 || c->num_q_heads % c->num_kv_heads)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "%d query heads over %d KV heads", c->num_q_heads,
+                         c->num_kv_heads);
+    if (c->index_heads != c->num_kv_heads)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED,
+                         "%d index heads must equal the %d KV heads (one per KV group)",
+                         c->index_heads, c->num_kv_heads);
+    if (c->hidden_size < kTile || c->hidden_size % 32 || c->hidden_size > (1 << 20))
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "hidden size %d must be a multiple of 32",
+                         c->hidden_size);
+    if (c->num_experts < 1 || c->num_experts > (1 << 16))
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "%d experts is out of range", c->num_experts);
+    if (c->experts_per_tok < 1 || c->experts_per_tok > kMaxTopE ||
+        c->experts_per_tok > c->num_experts)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "top-%d of %d experts (at most %d per token)",
+                         c->experts_per_tok, c->num_experts, kMaxTopE);
+    if (c->expert_dim < 32 || c->expert_dim % 32)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "expert width %d must be a positive multiple of 32",
+                         c->expert_dim);
+    if (c->shared_dim < 0 || c->shared_dim % 32)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "shared expert width %d must be a multiple of 32",
+                         c->shared_dim);
+    if (c->topk_blocks < 1 || c->topk_blocks > kMaxSplits || c->init_blocks < 0 ||
+        c->local_blocks < 0 || c->init_blocks + c->local_blocks > c->topk_blocks)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED,
+                         "top-%d blocks with %d init and %d local blocks (at most %d blocks; "
+                         "forced blocks within the top-k)",
+                         c->topk_blocks, c->init_blocks, c->local_blocks, kMaxSplits);
+    return M3_OK;
+}
+
+/* the smallest resident CTA count of every kernel instance */
+static size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, int max_blocks,
+                                         int tp_rank, int tp_size, m3_cuda_mono **out) {
+    *out = NULL;
+    if (!be || !cfg)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "backend and config are required");
+    if (!be->ops || !be->ops->name || strcmp(be->ops->name, "cuda"))
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "the CUDA executor needs the CUDA backend, not %s",
+                         be->ops && be->ops->name ? be->ops->name : "?");
+    M3_TRY(check_config(cfg, max_blocks, tp_rank, tp_size));
+    m3_cuda *cu = m3_cuda_of(be);
+    m3_cuda_mono *m = (m3_cuda_mono *)calloc(1, sizeof *m);
+    if (!m)
+        return MONO_FAIL(M3_ERR_NO_MEMORY, "out of memory");
+    m->be = be;
+    m->cu = cu;
+    m->cfg = *cfg;
+    m->max_blocks = max_blocks;
+    m->rank = tp_rank;
+    m->world = tp_size;
+    const int H = cfg->hidden_size, Nq = cfg->num_q_heads, Nkv = cfg->num_kv_heads;
+    const int Ni = cfg->index_heads, E = cfg->num_experts, K = cfg->experts_per_tok;
+    const int I = cfg->expert_dim, Is = cfg->shared_dim, R = kMaxT;
+    cudaError_t err = cudaSetDevice(cu->device); /* allocations below land on the backend's GPU */
+    if (err != cudaSuccess) {
+        free(m);
+        return m3_cuda_error(err, "cudaSetDevice", __FILE__, __LINE__);
+    }
+    m->Ntot = (Ni + 1 + 2 * Nkv + Nq) * kHD;
+    m->nheads = m->Ntot / kHD;
+    m->mtiles = (Nq / Nkv + kHeadTile - 1) / kHeadTile;
+    m->S = cfg->topk_blocks; /* one selected block per split */
+    m->rt_tiles = (E + kTile - 1) / kTile;
+    int half = cfg->rotary_dim / 2;
+    for (int i = 0; i < kMaxHalf; i++) /* the CPU's m3_rope_table expression */
+        m->inv_freq[i] =
+            i < half ? pow(cfg->rope_theta, -(double)(2 * i) / (double)cfg->rotary_dim) : 0.0;
+
+    /* shared memory: the largest phase (attention stages or index tiles) */
+    size_t smem = (size_t)kAttnSmem;
+    smem = smem > idx_smem(Ni) ? smem : idx_smem(Ni);
+    smem = smem > (size_t)kMaxT * kKC * 2 ? smem : (size_t)kMaxT * kKC * 2;
+    size_t plan_bytes = 2 * (size_t)kMaxAssign * sizeof(int);
+    smem = smem > plan_bytes ? smem : plan_bytes;
+    size_t sel_min = (sizeof(SelShared) + 15) / 16 * 16;
+    smem = smem > sel_min ? smem : sel_min;
+    /* (the head epilogue's 4 KiB and the attention merge's 4 KiB fit too) */
+    if (smem > 227 * 1024) {
+        free(m);
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "%d index heads need %zu bytes of shared memory",
+                         Ni, smem);
+    }
+    m->smem = smem;
+    m->sel_staged = sel_min + (size_t)max_blocks * 4 <= smem;
+    int occ = INT_MAX;
+    m3_status st = occupancy(smem, &occ);
+    if (!st && occ < 1)
+        st = MONO_FAIL(M3_ERR_UNSUPPORTED,
+                       "the fused kernels do not fit on an SM (%zu bytes of shared memory, %d "
+                       "threads)",
+                       smem, kThreads);
+    if (st) {
+        free(m);
+        return st;
+    }
+    m->P = (cu->sm_count > 0 ? cu->sm_count : 1) * occ;
+    /* K splits as the stock linear op takes them (16-row CTAs; the router's
+     * fp32 kernel 8-row CTAs) */
+    const int sm = cu->sm_count;
+    const int64_t p_rows[5] = {(int64_t)Ni * kHD, kHD, (int64_t)Nkv * kHD, (int64_t)Nkv * kHD,
+                               (int64_t)Nq * kHD};
+    m->p_item0[0] = 0;
+    m->s_pmax = 1;
+    for (int i = 0; i < 5; i++) {
+        m->s_p[i] = stock_splits(sm, p_rows[i], H, 16);
+        m->s_pmax = m->s_p[i] > m->s_pmax ? m->s_p[i] : m->s_pmax;
+        m->p_item0[i + 1] = m->p_item0[i] + (int)(p_rows[i] / kTile) * m->s_p[i];
+    }
+    m->s_o = stock_splits(sm, H, (int64_t)Nq * kHD, 16);
+    m->s_rt = stock_splits(sm, E, H, 8);
+    m->s_shgu = Is ? stock_splits(sm, Is, H, 16) : 1;
+    m->s_shdn = Is ? stock_splits(sm, H, Is, 16) : 1;
+
+    /* counters */
+    int at = C_FIXED;
+    m->o_head = at, at += m->nheads;
+    m->o_ptile = at, at += m->Ntot / kTile;
+    m->o_sel = at, at += R * Ni;
+    m->o_att = at, at += R * Nkv * m->mtiles;
+    m->o_otile = at, at += H / kTile;
+    m->o_rtile = at, at += m->rt_tiles;
+    m->o_shgu = at, at += Is ? Is / 4 : 1;
+    m->o_shdn = at, at += H / kTile;
+    m->o_egu = at, at += R * K;
+    m->o_comb = at, at += H / kTile;
+    m->n_ctr = at;
+
+    /* every buffer in one allocation, zeroed */
+    const size_t part_tile = (size_t)kTile * kMaxT * 4;
+    struct {
+        void **ptr;
+        size_t bytes;
+    } want[] = {
+        {(void **)&m->x1, (size_t)R * H * 2},
+        {(void **)&m->proj, (size_t)R * m->Ntot * 2},
+        {(void **)&m->attn, (size_t)R * Nq * kHD * 2},
+        {(void **)&m->o, (size_t)R * H * 2},
+        {(void **)&m->x2, (size_t)R * H * 2},
+        {(void **)&m->act, (size_t)R * K * I * 2},
+        {(void **)&m->sh_act, (size_t)R * (Is ? Is : 1) * 2},
+        {(void **)&m->scores, (size_t)R * Ni * max_blocks * 4},
+        {(void **)&m->sel, (size_t)R * Ni * cfg->topk_blocks * 4},
+        {(void **)&m->att_ml, (size_t)R * Nq * m->S * 8},
+        {(void **)&m->att_acc, (size_t)R * Nq * m->S * kHD * 4},
+        {(void **)&m->logits, (size_t)R * E * 4},
+        {(void **)&m->rw, (size_t)R * K * 4},
+        {(void **)&m->rids, (size_t)R * K * 4},
+        {(void **)&m->uniq, (size_t)R * K * 4},
+        {(void **)&m->ufirst, (size_t)(R * K + 1) * 4},
+        {(void **)&m->members, (size_t)R * K * 4},
+        {(void **)&m->n_uniq, 4},
+        {(void **)&m->eout, (size_t)R * K * H * 4},
+        {(void **)&m->sh_out, (size_t)R * H * 4},
+        {(void **)&m->part_proj,
+         m->s_pmax > 1 ? (size_t)(m->Ntot / kTile) * m->s_pmax * part_tile : 4},
+        {(void **)&m->part_o, m->s_o > 1 ? (size_t)(H / kTile) * m->s_o * part_tile : 4},
+        {(void **)&m->part_rt, m->s_rt > 1 ? (size_t)m->rt_tiles * m->s_rt * part_tile : 4},
+        {(void **)&m->part_shgu, m->s_shgu > 1 ? (size_t)(Is / 4) * m->s_shgu * part_tile : 4},
+        {(void **)&m->part_shdn, m->s_shdn > 1 ? (size_t)(H / kTile) * m->s_shdn * part_tile : 4},
+        {(void **)&m->ctr, (size_t)m->n_ctr * 4},
+        {(void **)&m->calls, 4},
+        {(void **)&m->fault, 16},
+        {(void **)&m->peers_dev, (size_t)tp_size * sizeof(void *)},
+        {(void **)&m->landing, tp_size > 1 ? (size_t)2 * tp_size * R * H * 8 : 8},
+    };
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof want / sizeof *want; i++)
+        total += align256(want[i].bytes);
+    err = cudaMalloc(&m->block, total);
+    if (err != cudaSuccess) {
+        free(m);
+        return m3_cuda_error(err, "cudaMalloc(mono scratch)", __FILE__, __LINE__);
+    }
+    m->block_bytes = total;
+    char *p = (char *)m->block;
+    for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
+        *want[i].ptr = p;
+        p += align256(want[i].bytes);
+    }
+    m->landing_bytes = tp_size > 1 ? (size_t)2 * tp_size * R * H * 8 : 0;
+    err = cudaMemsetAsync(m->block, 0, total, cu->stream);
+    if (err == cudaSuccess)
+        err = cudaStreamSynchronize(cu->stream);
+    if (err != cudaSuccess) {
+        m3_status s = m3_cuda_error(err, "clearing the mono scratch", __FILE__, __LINE__);
+        m3_cuda_mono_free(m);
+        return s;
+    }
+    if (tp_size == 1) { /* the only peer is this rank */
+        void *self = m->landing;
+        err = cudaMemcpy(m->peers_dev, &self, sizeof self, cudaMemcpyHostToDevice);
+        if (err != cudaSuccess) {
+            m3_status s = m3_cuda_error(err, "cudaMemcpy(mono peers)", __FILE__, __LINE__);
+            m3_cuda_mono_free(m);
+            return s;
+        }
+        m->peers_set = true;
+    }
+    *out = m;
+    return M3_OK;
+}
+
+extern "C" void m3_cuda_mono_free(m3_cuda_mono *m) {
+    if (!m)
+        return;
+    if (m->block) {
+        cudaStreamSynchronize(m->cu->stream);
+        cudaFree(m->block);
+    }
+    cudaFree(m->trace);
+    cudaFree(m->trace_n);
+    free(m);
+}
+
+/* ---------------------------------------------------------------- trace */
+
+extern "C" m3_status m3_cuda_mono_trace_start(m3_cuda_mono *m) {
+    if (!m->trace) {
+        m->trace_cap = 1u << 16;
+        M3_CUDA_TRY(cudaMalloc((void **)&m->trace, (size_t)m->trace_cap * 3 * 8));
+        M3_CUDA_TRY(cudaMalloc((void **)&m->trace_n, sizeof *m->trace_n));
+    }
+    M3_CUDA_TRY(cudaMemsetAsync(m->trace_n, 0, sizeof *m->trace_n, m->cu->stream));
+    m->tracing = true;
+    return M3_OK;
+}
+
+extern "C" m3_status m3_cuda_mono_trace_write(m3_cuda_mono *m, const char *path) {
+    if (!m->trace)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "trace_write without trace_start");
+    unsigned n = 0;
+    M3_CUDA_TRY(cudaStreamSynchronize(m->cu->stream));
+    M3_CUDA_TRY(cudaMemcpy(&n, m->trace_n, sizeof n, cudaMemcpyDeviceToHost));
+    n = n < m->trace_cap ? n : m->trace_cap;
+    unsigned long long *h = (unsigned long long *)malloc((size_t)n * 3 * 8 + 8);
+    if (!h)
+        return MONO_FAIL(M3_ERR_NO_MEMORY, "out of memory for the trace");
+    cudaError_t e = cudaMemcpy(h, m->trace, (size_t)n * 3 * 8, cudaMemcpyDeviceToHost);
+    FILE *f = e == cudaSuccess ? fopen(path, "w") : NULL;
+    if (f) {
+        fprintf(f, "kernel kind cta item start_ns end_ns\n");
+        for (unsigned i = 0; i < n; i++) {
+            unsigned long long meta = h[3 * i];
+            fprintf(f, "%u %u %u %u %llu %llu\n", (unsigned)(meta >> 56),
+                    (unsigned)(meta >> 48) & 0xff, (unsigned)(meta >> 32) & 0xffff,
+                    (unsigned)meta, h[3 * i + 1], h[3 * i + 2]);
+        }
+        fclose(f);
+    }
+    free(h);
+    m->tracing = false; /* later launches run untraced until the next trace_start */
+    M3_CUDA_TRY(e);
+    if (!f)
+        return MONO_FAIL(M3_ERR_IO, "cannot write the trace to %s", path);
+    return M3_OK;
+}
+
+extern "C" void *m3_cuda_mono_landing(m3_cuda_mono *m) {
+    return m && m->world > 1 ? (void *)m->landing : NULL;
+}
+
+extern "C" m3_status m3_cuda_mono_set_peers(m3_cuda_mono *m, void *const *landings, int world) {
+    if (!m || !landings)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "set_peers: executor and landing areas are required");
+    if (world != m->world)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "set_peers: %d landing areas for a TP world of %d",
+                         world, m->world);
+    if (m->cu->capturing)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "set_peers during graph capture");
+    for (int r = 0; r < world; r++)
+        if (!landings[r] || ((uintptr_t)landings[r] & 15))
+            return MONO_FAIL(M3_ERR_INVALID_ARG, "set_peers: rank %d's landing area %p is invalid",
+                             r, landings[r]);
+    if (landings[m->rank] != (void *)m->landing)
+        return MONO_FAIL(M3_ERR_INVALID_ARG,
+                         "set_peers: entry %d is not this rank's landing area", m->rank);
+    M3_CUDA_TRY(cudaMemcpy(m->peers_dev, landings, (size_t)world * sizeof(void *),
+                           cudaMemcpyHostToDevice));
+    m->peers_set = true;
+    return M3_OK;
+}
+
+/* ---------------------------------------------------------------- per call */
+
+static m3_status wmat_of(const m3_linear *l, int64_t n, int64_t k, const char *what, WMat *out) {
+    const m3_tensor *w = &l->w;
+    bool fp8 = w->dtype == M3_DT_F8_E4M3;
+    if (!w->data || (w->dtype != M3_DT_BF16 && !fp8) || w->ndim != 2 || w->ne[0] != n ||
+        w->ne[1] != k)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "weight %s is not a bf16 or e4m3 [%lld, %lld] matrix",
+                         w->name ? w->name : what, (long long)n, (long long)k);
+    int64_t esz = fp8 ? 1 : 2;
+    if (w->nb[1] != esz || w->nb[0] < k * esz || w->nb[0] % 16 || (uintptr_t)w->data % 16)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED,
+                         "weight %s: rows must be contiguous and 16-byte aligned",
+                         w->name ? w->name : what);
+    const m3_tensor *s = &l->scale;
+    if (fp8 && (!s->data || s->dtype != M3_DT_U8 || s->ndim != 2 || s->ne[0] != n ||
+                s->ne[1] != k / 32 || s->nb[1] != 1))
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "weight %s: MXFP8 scales must be u8 [%lld, %lld]",
+                         w->name ? w->name : what, (long long)n, (long long)(k / 32));
+    out->w = (const uint8_t *)w->data;
+    out->w_row = w->nb[0];
+    out->s = fp8 ? (const uint8_t *)s->data : NULL;
+    out->s_row = fp8 ? s->nb[0] : 0;
+    out->n = (int)n;
+    out->fp8 = fp8;
+    return M3_OK;
+}
+
+static m3_status wexp_of(const m3_linear *l, int E, int64_t n, int64_t k, const char *kind,
+                         WExp *out) {
+    WMat w0 = {};
+    M3_TRY(wmat_of(&l[0], n, k, kind, &w0));
+    const char *b0 = (const char *)l[0].w.data;
+    const char *s0 = (const char *)l[0].scale.data;
+    int64_t stride = E > 1 ? (const char *)l[1].w.data - b0 : 0;
+    int64_t sstride = E > 1 && w0.fp8 ? (const char *)l[1].scale.data - s0 : 0;
+    for (int e = 0; e < E; e++) {
+        WMat we = {};
+        M3_TRY(wmat_of(&l[e], n, k, kind, &we));
+        if ((const char *)we.w != b0 + e * stride || we.fp8 != w0.fp8 || we.w_row != w0.w_row ||
+            (w0.fp8 && ((const char *)we.s != s0 + e * sstride || we.s_row != w0.s_row)))
+            return MONO_FAIL(M3_ERR_UNSUPPORTED,
+                             "the %s experts are not laid out at a uniform stride", kind);
+    }
+    out->w = w0.w;
+    out->s = w0.s;
+    out->w_stride = stride;
+    out->s_stride = sstride;
+    out->w_row = w0.w_row;
+    out->s_row = w0.s_row;
+    out->fp8 = w0.fp8;
+    return M3_OK;
+}
+
+static m3_status norm_w(const m3_tensor *t, int64_t n, const char *what, const uint16_t **out) {
+    if (!t->data || t->dtype != M3_DT_BF16 || m3_tensor_nelem(t) != n || (uintptr_t)t->data % 16)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "norm weight %s is not an aligned bf16 [%lld]",
+                         t->name ? t->name : what, (long long)n);
+    *out = (const uint16_t *)t->data;
+    return M3_OK;
+}
+
+extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int layer,
+                                        const m3_layer_weights *lw, const m3_cache_layer *cl,
+                                        bool first, uint32_t epoch, uint16_t *hidden,
+                                        uint16_t *residual) {
+    if (!m || !st || !lw || !cl || !hidden || !residual)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "layer: executor, step, weights, cache and "
+                                             "activations are required");
+    const m3_config *c = &m->cfg;
+    if (!lw->sparse || !lw->moe)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED,
+                         "layer %d has %s attention and a %s FFN; the fused kernels run only "
+                         "sparse attention + MoE layers",
+                         layer, lw->sparse ? "sparse" : "dense", lw->moe ? "MoE" : "dense MLP");
+    if (st->rows < 1 || st->rows > kMaxT)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "layer %d: %d rows (1 to %d)", layer, st->rows,
+                         kMaxT);
+    if (st->max_blocks < 1 || st->max_blocks > m->max_blocks)
+        return MONO_FAIL(M3_ERR_INVALID_ARG,
+                         "layer %d: block table width %d is outside [1, %d] (the executor's "
+                         "capacity)",
+                         layer, st->max_blocks, m->max_blocks);
+    if (st->n_pages < 1)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "layer %d: the page pool is empty", layer);
+    if (!st->dev.positions || !st->dev.slots || !st->dev.row_req || !st->dev.block_table)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "layer %d: step metadata is not on the device",
+                         layer);
+    if (!cl->k || !cl->v || !cl->index)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "layer %d: the K, V and index caches are required",
+                         layer);
+    uintptr_t al = (uintptr_t)cl->k | (uintptr_t)cl->v | (uintptr_t)cl->index |
+                   (uintptr_t)hidden | (uintptr_t)residual;
+    if (al % 16)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "layer %d: caches and activations must be 16-byte "
+                                             "aligned",
+                         layer);
+    if (m->world > 1 && !m->peers_set)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "layer %d: TP world %d without peers (set_peers)",
+                         layer, m->world);
+
+    const int H = c->hidden_size, Nq = c->num_q_heads, Nkv = c->num_kv_heads;
+    const int Ni = c->index_heads, E = c->num_experts, I = c->expert_dim, Is = c->shared_dim;
+    MonoArgs a;
+    memset(&a, 0, sizeof a);
+    a.T = st->rows;
+    a.H = H;
+    a.Nq = Nq;
+    a.Nkv = Nkv;
+    a.Ni = Ni;
+    a.E = E;
+    a.K = c->experts_per_tok;
+    a.I = I;
+    a.Is = Is;
+    a.half = c->rotary_dim / 2;
+    a.topk = c->topk_blocks;
+    a.init = c->init_blocks;
+    a.local = c->local_blocks;
+    a.mb = st->max_blocks;
+    a.group = Nq / Nkv;
+    a.mtiles = m->mtiles;
+    a.S = m->S;
+    int G = m->P / a.T;
+    a.G = G < 1 ? 1 : (G > a.mb ? a.mb : G);
+    a.rt_tiles = m->rt_tiles;
+    a.Ntot = m->Ntot;
+    a.off_ik = Ni * kHD;
+    a.off_k = a.off_ik + kHD;
+    a.off_v = a.off_k + Nkv * kHD;
+    a.off_q = a.off_v + Nkv * kHD;
+    a.layer = layer;
+    a.world = m->world;
+    a.rank = m->rank;
+    a.first = first;
+    a.sel_staged = m->sel_staged;
+    a.smem = (int)m->smem;
+    memcpy(a.s_p, m->s_p, sizeof a.s_p);
+    memcpy(a.p_item0, m->p_item0, sizeof a.p_item0);
+    a.s_pmax = m->s_pmax;
+    a.s_o = m->s_o;
+    a.s_rt = m->s_rt;
+    a.s_shgu = m->s_shgu;
+    a.s_shdn = m->s_shdn;
+    a.n_pages = st->n_pages;
+    a.eps = c->rms_norm_eps;
+    a.scaling = c->routed_scaling_factor;
+    a.alpha = c->swiglu_alpha;
+    a.limit = c->swiglu_limit;
+    /* as the stock path forms them: the attention scale rounded to fp32,
+     * then times log2(e) (cuda_attention.cu); the index scale in one go
+     * (forward.c) */
+    const float attn_scale = (float)(1.0 / sqrt((double)kHD));
+    a.attn_scale_log2 = (float)((double)attn_scale * 1.4426950408889634);
+    a.idx_scale = (float)(1.0 / sqrt((double)kHD) * 1.4426950408889634);
+    /* the landing tags come from a device-side count of calls (see
+     * mono_post_kernel), so a graph replay does not reuse the tags it was
+     * captured with; the epoch is not needed for them */
+    (void)epoch;
+
+    M3_TRY(wmat_of(&lw->iq_proj, (int64_t)Ni * kHD, H, "index_q_proj", &a.wiq));
+    M3_TRY(wmat_of(&lw->ik_proj, kHD, H, "index_k_proj", &a.wik));
+    M3_TRY(wmat_of(&lw->k_proj, (int64_t)Nkv * kHD, H, "k_proj", &a.wk));
+    M3_TRY(wmat_of(&lw->v_proj, (int64_t)Nkv * kHD, H, "v_proj", &a.wv));
+    M3_TRY(wmat_of(&lw->q_proj, (int64_t)Nq * kHD, H, "q_proj", &a.wq));
+    M3_TRY(wmat_of(&lw->o_proj, H, (int64_t)Nq * kHD, "o_proj", &a.wo));
+    if (Is) {
+        M3_TRY(wmat_of(&lw->sh_gate, Is, H, "shared gate_proj", &a.shg));
+        M3_TRY(wmat_of(&lw->sh_up, Is, H, "shared up_proj", &a.shu));
+        M3_TRY(wmat_of(&lw->sh_down, H, Is, "shared down_proj", &a.shd));
+    }
+    if (!lw->exp_gate || !lw->exp_up || !lw->exp_down)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "layer %d: expert weights are missing", layer);
+    M3_TRY(wexp_of(lw->exp_gate, E, I, H, "gate", &a.eg));
+    M3_TRY(wexp_of(lw->exp_up, E, I, H, "up", &a.eu));
+    M3_TRY(wexp_of(lw->exp_down, E, H, I, "down", &a.ed));
+    M3_TRY(norm_w(&lw->input_norm, H, "input_layernorm", &a.in_norm));
+    M3_TRY(norm_w(&lw->post_norm, H, "post_attention_layernorm", &a.post_norm));
+    M3_TRY(norm_w(&lw->q_norm, kHD, "q_norm", &a.q_norm));
+    M3_TRY(norm_w(&lw->k_norm, kHD, "k_norm", &a.k_norm));
+    M3_TRY(norm_w(&lw->iq_norm, kHD, "index_q_norm", &a.iq_norm));
+    M3_TRY(norm_w(&lw->ik_norm, kHD, "index_k_norm", &a.ik_norm));
+    const m3_tensor *rt = &lw->router;
+    if (!rt->data || rt->dtype != M3_DT_F32 || rt->ndim != 2 || rt->ne[0] != E ||
+        rt->ne[1] != H || !m3_tensor_is_contiguous(rt) || (uintptr_t)rt->data % 16)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "router %s is not a contiguous f32 [%d, %d]",
+                         rt->name ? rt->name : "gate", E, H);
+    a.router = (const float *)rt->data;
+    if (lw->router_bias.data) {
+        if (lw->router_bias.dtype != M3_DT_F32 || m3_tensor_nelem(&lw->router_bias) != E)
+            return MONO_FAIL(M3_ERR_INVALID_ARG, "router bias is not f32 [%d]", E);
+        a.rbias = (const float *)lw->router_bias.data;
+    }
+    a.pos = st->dev.positions;
+    a.slots = st->dev.slots;
+    a.row_req = st->dev.row_req;
+    a.btab = st->dev.block_table;
+    a.kc = (uint16_t *)cl->k;
+    a.vc = (uint16_t *)cl->v;
+    a.ic = (uint16_t *)cl->index;
+    a.hidden = hidden;
+    a.residual = residual;
+    a.x1 = m->x1;
+    a.proj = m->proj;
+    a.attn = m->attn;
+    a.o = m->o;
+    a.x2 = m->x2;
+    a.act = m->act;
+    a.sh_act = m->sh_act;
+    a.scores = m->scores;
+    a.sel = m->sel;
+    a.att_ml = m->att_ml;
+    a.att_acc = m->att_acc;
+    a.logits = m->logits;
+    a.rw = m->rw;
+    a.rids = m->rids;
+    a.uniq = m->uniq;
+    a.ufirst = m->ufirst;
+    a.members = m->members;
+    a.n_uniq = m->n_uniq;
+    a.eout = m->eout;
+    a.sh_out = m->sh_out;
+    a.part_proj = m->part_proj;
+    a.part_o = m->part_o;
+    a.part_rt = m->part_rt;
+    a.part_shgu = m->part_shgu;
+    a.part_shdn = m->part_shdn;
+    a.ctr = m->ctr;
+    a.calls = m->calls;
+    a.n_ctr = m->n_ctr;
+    a.o_head = m->o_head;
+    a.o_ptile = m->o_ptile;
+    a.o_sel = m->o_sel;
+    a.o_att = m->o_att;
+    a.o_otile = m->o_otile;
+    a.o_rtile = m->o_rtile;
+    a.o_shgu = m->o_shgu;
+    a.o_shdn = m->o_shdn;
+    a.o_egu = m->o_egu;
+    a.o_comb = m->o_comb;
+    a.fault = m->fault;
+    a.peers = m->peers_dev;
+    a.landing = m->landing;
+    a.trace = m->tracing ? m->trace : NULL;
+    a.trace_n = m->trace_n;
+    a.trace_cap = m->trace_cap;
+    memcpy(a.inv_freq, m->inv_freq, sizeof a.inv_freq);
+
+    return launch_layer(m->cu->stream, m->P, m->smem, a);
+}
+
+/* ---------------------------------------------------------------- fault word */
+
+extern "C" int32_t *m3_cuda_mono_fault_word(m3_cuda_mono *m) { return m ? m->fault : NULL; }
+
+extern "C" m3_status m3_cuda_mono_check_fault(m3_cuda_mono *m) {
+    if (!m)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "check_fault: no executor");
+    return launch_check(m->cu->stream, m->fault);
+}
+
+extern "C" m3_status m3_cuda_mono_set_fault(m3_cuda_mono *m, int code, int layer) {
+    if (!m)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "set_fault: no executor");
+    if (code <= M3_MONO_FAULT_NONE)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "set_fault: code %d is not a fault", code);
+    return launch_set(m->cu->stream, m->fault, code, layer);
+}
+
+extern "C" m3_status m3_cuda_mono_read_fault(m3_cuda_mono *m, int32_t out[4]) {
+    if (!m || !out)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "read_fault: executor and output are required");
+    if (m->cu->capturing)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "read_fault during graph capture");
+    M3_CUDA_TRY(cudaMemcpyAsync(out, m->fault, 16, cudaMemcpyDeviceToHost, m->cu->stream));
+    M3_CUDA_TRY(cudaStreamSynchronize(m->cu->stream));
+    return M3_OK;
+}
+
+extern "C" m3_status m3_cuda_mono_clear_fault(m3_cuda_mono *m) {
+    if (!m)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "clear_fault: no executor");
+    if (m->cu->capturing)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "clear_fault during graph capture");
+    M3_CUDA_TRY(cudaMemsetAsync(m->fault, 0, 16, m->cu->stream));
+    M3_CUDA_TRY(cudaStreamSynchronize(m->cu->stream));
+    return M3_OK;
+}

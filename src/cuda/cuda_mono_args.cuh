@@ -1,0 +1,187 @@
+/*
+ * The mono executor's shared definitions (cuda_mono.cu describes the design):
+ * constants, the kernel arguments, the per-CTA control block, the shared
+ * memory sizes the host needs, and the entry points of the kernel unit
+ * (cuda_mono_kernels.cu) that the host side calls.
+ */
+#ifndef M3_CUDA_CUDA_MONO_ARGS_CUH
+#define M3_CUDA_CUDA_MONO_ARGS_CUH
+
+#include <climits>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/cuda_gemv.cuh"
+#include "cuda/cuda_internal.h"
+extern "C" {
+#include "cache/cache.h"
+}
+#include "cuda/cuda_mono.h"
+
+namespace m3mono {
+
+/* ================================================================ constants */
+
+constexpr int kThreads = 128;              /* 4 warps per CTA */
+constexpr int kWarps = kThreads / 32;
+constexpr int kRW = 2;                     /* GEMV output rows per warp */
+constexpr int kTile = kWarps * kRW;        /* GEMV output rows per tile */
+constexpr int kKC = 1024;                  /* K columns staged per chunk */
+constexpr int kKU = kKC / 256;             /* 16-byte loads per lane, row and chunk */
+constexpr int kMaxT = M3_CUDA_MONO_MAX_ROWS;
+constexpr int kHD = 128;                   /* head dim = index dim = page */
+constexpr int kMaxHalf = 64;               /* rotary_dim <= 128 */
+constexpr int kMaxTopE = 16;               /* experts per token */
+constexpr int kMaxAssign = kMaxT * kMaxTopE;
+constexpr int kMaxSplits = 64;             /* attention splits = top-k blocks */
+constexpr int kHeadTile = 16;              /* query heads per attention item (MMA M) */
+constexpr int kCtasPerSm = 3;              /* launch bound; occupancy is queried */
+constexpr unsigned kFull = 0xffffffffu;
+constexpr unsigned long long kPeerTimeoutNs = 5ull * 1000 * 1000 * 1000;
+
+/* counters (uint32, zeroed by the last CTA out of each kernel). Each fixed
+ * counter has a 128-byte line of its own (kCtrLine words apart): the queue
+ * cursor's atomics and the polls of hundreds of waiting CTAs on the others
+ * must not contend for one L2 line. The per-group counters follow. */
+constexpr int kCtrLine = 32;
+enum {
+    C_QUEUE = 0 * kCtrLine,  /* work list cursor */
+    C_EXIT = 1 * kCtrLine,   /* CTAs done */
+    C_NORM1 = 2 * kCtrLine,  /* norm1 rows done (target T) */
+    C_IDX = 3 * kCtrLine,    /* index heads (iq heads + ik) normed and cached (target Ni + 1) */
+    C_ATT = 4 * kCtrLine,    /* attention groups merged (target T * Nkv * mtiles) */
+    C_OPROJ = 5 * kCtrLine,  /* o_proj tiles done (target H / 8) */
+    C_NORM2 = 6 * kCtrLine,  /* norm2 rows done (target T) */
+    C_ROUTER = 7 * kCtrLine, /* router tiles done (target router tiles) */
+    C_PLAN = 8 * kCtrLine,   /* routing and expert plan published (target 1) */
+    C_SHGU = 9 * kCtrLine,   /* shared gate/up tiles done (target Is / 4) */
+    C_FIXED = 10 * kCtrLine
+};
+
+/* ================================================================ arguments */
+
+struct WMat { /* a weight [n, k]: bf16, or e4m3 + u8 exponents per 32 columns */
+    const uint8_t *w, *s;
+    int64_t w_row, s_row; /* bytes per row */
+    int n, fp8;
+};
+
+struct WExp { /* the experts of one kind at a uniform stride */
+    const uint8_t *w, *s;
+    int64_t w_stride, s_stride, w_row, s_row;
+    int fp8;
+};
+
+struct MonoArgs {
+    /* shapes (the rank's) */
+    int T, H, Nq, Nkv, Ni, E, K, I, Is, half, topk, init, local, mb;
+    int group, mtiles, S, G, rt_tiles;
+    int Ntot, off_ik, off_k, off_v, off_q; /* proj columns; iq at 0 */
+    int layer, world, rank, first, sel_staged;
+    int smem; /* dynamic shared memory bytes per CTA */
+    /* K splits: per projection matrix (iq, ik, k, v, q) with its first item
+     * (p_item0[5] = the projection items), s_pmax the partial slots per
+     * tile; then o_proj, router, shared gate/up, shared down */
+    int s_p[5], p_item0[6], s_pmax;
+    int s_o, s_rt, s_shgu, s_shdn;
+    int64_t n_pages;
+    float eps, scaling, alpha, limit, attn_scale_log2, idx_scale;
+    /* weights */
+    WMat wiq, wik, wk, wv, wq, wo, shg, shu, shd;
+    WExp eg, eu, ed;
+    const uint16_t *in_norm, *post_norm, *q_norm, *k_norm, *iq_norm, *ik_norm;
+    const float *router, *rbias;
+    /* step metadata (device) */
+    const int64_t *pos, *slots;
+    const int32_t *row_req, *btab;
+    /* this layer's caches */
+    uint16_t *kc, *vc, *ic;
+    /* layer input / output */
+    uint16_t *hidden, *residual;
+    /* scratch */
+    uint16_t *x1, *proj, *attn, *o, *x2, *act, *sh_act;
+    float *scores;
+    int32_t *sel;
+    float2 *att_ml;
+    float *att_acc;
+    float *logits, *rw;
+    int32_t *rids, *uniq, *ufirst, *members, *n_uniq;
+    float *eout, *sh_out;
+    float *part_proj, *part_o, *part_rt, *part_shgu, *part_shdn;
+    unsigned *ctr;
+    unsigned *calls; /* post launches so far (the landing tags; see mono_post_kernel) */
+    int n_ctr;
+    int o_head, o_ptile, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb;
+    int *fault;
+    uint2 *const *peers; /* [world] landing areas, rank order */
+    uint2 *landing;      /* this rank's */
+    /* item trace (M3_MONO_TRACE): [cap] x {meta, start ns, end ns} */
+    unsigned long long *trace;
+    unsigned *trace_n;
+    unsigned trace_cap;
+    double inv_freq[kMaxHalf];
+};
+
+/* kernel parameters stay within the classic 4 KiB */
+static_assert(sizeof(MonoArgs) <= 4096, "MonoArgs must fit the kernel parameter space");
+
+/* ================================================================ shared state */
+
+struct SelShared {
+    unsigned hist[256];
+    unsigned long long prefix;
+    unsigned k;
+    int done;
+    int wcount[kWarps];
+};
+
+/* Per-CTA control block (static shared memory; kept small so three CTAs
+ * fit an SM next to their 72 KiB of dynamic shared memory). */
+struct Ctl {
+    int cur, faulted, flag, nu, fnow;
+    uint32_t tag_o, tag_f; /* this launch's landing tags (world > 1) */
+    double red[kWarps];
+    const uint16_t *rowp[kMaxT]; /* GEMV activation rows */
+    int mem[kMaxT];              /* MoE members of the current group */
+    float fin[kTile][kMaxT];     /* a finished tile: [row][t] */
+    int s_count[2];
+    float s_red[4][kWarps];
+    int rid[kWarps][kMaxTopE];
+};
+
+
+/* ================================================================ shared memory sizes */
+
+constexpr int kIdxHeadsPerPass = 4;
+
+__host__ __device__ __forceinline__ int idx_row_bytes() { return kHD * 2 + 16; }
+
+static inline size_t idx_smem(int heads) {
+    return (size_t)heads * kHD * sizeof(double) + 2 * (size_t)M3_PAGE * idx_row_bytes();
+}
+
+constexpr int kAttnKeys = 64;
+constexpr int kRowBytes = kHD * 2 + 16;
+constexpr int kTileBytes = kAttnKeys * kRowBytes;
+constexpr int kStageBytes = 2 * kTileBytes;
+constexpr int kQOffset = 2 * kStageBytes;
+constexpr int kAttnSmem = kQOffset + kHeadTile * kRowBytes;
+constexpr int kOStride = kHD + 4;
+static_assert(kWarps * kHeadTile * (kOStride + 2) * 4 <= kQOffset, "attention merge space");
+
+/* ================================================================ kernel unit entry points */
+
+/* The smallest resident CTA count per SM over every kernel instance at
+ * `smem` bytes of dynamic shared memory (also sets the attribute). */
+m3_status occupancy(size_t smem, int *min_occ);
+/* Both launches of one layer on stream s, P CTAs each. */
+m3_status launch_layer(cudaStream_t s, int P, size_t smem, const MonoArgs &a);
+m3_status launch_check(cudaStream_t s, const int *fault);
+m3_status launch_set(cudaStream_t s, int *fault, int code, int layer);
+
+} // namespace m3mono
+
+#endif

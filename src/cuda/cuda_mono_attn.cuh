@@ -1,0 +1,545 @@
+/*
+ * The post kernel's first items: block selection and sparse attention.
+ * Part of the mono executor's kernel unit (cuda_mono_kernels.cu includes it;
+ * cuda_mono.cu describes the design).
+ */
+#ifndef M3_CUDA_CUDA_MONO_ATTN_CUH
+#define M3_CUDA_CUDA_MONO_ATTN_CUH
+
+namespace m3mono {
+
+/* ================================================================ launch 2 */
+
+/* ---------------------------------------------------------------- selection
+ * (cuda_attention.cu select_kernel for one (row, head), 128 threads) */
+
+__device__ __forceinline__ uint64_t sel_key(float s, int b) {
+    uint32_t x = __float_as_uint(s), u;
+    if (isnan(s))
+        u = 0u;
+    else {
+        if ((x & 0x7fffffffu) == 0u)
+            x = 0u;
+        u = (x & 0x80000000u) ? ~x : (x | 0x80000000u);
+    }
+    return ((uint64_t)u << 32) | (uint32_t)b;
+}
+
+__device__ void sel_find_digit(SelShared &sh, int shift) {
+    int lane = threadIdx.x;
+    unsigned k = sh.k;
+    unsigned c[8], tot = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        c[i] = sh.hist[lane * 8 + i];
+        tot += c[i];
+    }
+    unsigned suf = tot;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned y = __shfl_down_sync(kFull, suf, o);
+        if (lane + o < 32)
+            suf += y;
+    }
+    unsigned above = suf - tot;
+    if (above < k && k <= suf) {
+        for (int i = 7; i >= 0; i--) {
+            if (k <= above + c[i]) {
+                sh.prefix |= (unsigned long long)(lane * 8 + i) << shift;
+                sh.k = k - above;
+                sh.done = c[i] == k - above;
+                break;
+            }
+            above += c[i];
+        }
+    }
+}
+
+__device__ uint64_t sel_threshold(const float *sc, int c0, int c1, unsigned room, SelShared &sh) {
+    int lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        sh.prefix = 0;
+        sh.k = room;
+        sh.done = 0;
+    }
+    uint64_t prefix = 0, mask = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += kThreads)
+            sh.hist[i] = 0;
+        __syncthreads();
+        for (int base = c0; base < c1; base += kThreads) {
+            int b = base + threadIdx.x;
+            bool act = false;
+            unsigned digit = 0;
+            if (b < c1) {
+                uint64_t key = sel_key(sc[b], b);
+                act = (key & mask) == prefix;
+                digit = (unsigned)(key >> shift) & 255u;
+            }
+            unsigned am = __ballot_sync(kFull, act);
+            if (act) {
+                unsigned peers = __match_any_sync(am, digit);
+                if (lane == __ffs(peers) - 1)
+                    atomicAdd(&sh.hist[digit], (unsigned)__popc(peers));
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 32)
+            sel_find_digit(sh, shift);
+        __syncthreads();
+        prefix = sh.prefix;
+        mask |= 0xffull << shift;
+        if (sh.done)
+            break;
+    }
+    return prefix;
+}
+
+__device__ int sel_compact(const float *sc, int c0, int c1, uint64_t thr, int room, int32_t *out,
+                           SelShared &sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, run = 0;
+    for (int base = c0; base < c1 && run < room; base += kThreads) {
+        int b = base + threadIdx.x;
+        bool f = b < c1 && sel_key(sc[b], b) >= thr;
+        unsigned bal = __ballot_sync(kFull, f);
+        if (lane == 0)
+            sh.wcount[warp] = __popc(bal);
+        __syncthreads();
+        int off = run, total = 0;
+        for (int w = 0; w < kWarps; w++) {
+            int c = sh.wcount[w];
+            off += w < warp ? c : 0;
+            total += c;
+        }
+        if (f) {
+            int pos = off + __popc(bal & ((1u << lane) - 1u));
+            if (pos < room)
+                out[pos] = b;
+        }
+        run += total;
+        __syncthreads();
+    }
+    return run < room ? run : room;
+}
+
+__device__ void select_one(const MonoArgs &a, unsigned char *dsm, int t, int item,
+                           int32_t *out) {
+    SelShared &sh = *reinterpret_cast<SelShared *>(dsm);
+    RowView rv = load_row(a, t);
+    int nb = rv.state == ROW_PADDED ? 0 : rv.nblocks;
+    if (rv.state == ROW_PADDED || nb <= a.topk) {
+        for (int i = threadIdx.x; i < a.topk; i += kThreads)
+            out[i] = i < nb ? i : -1;
+        return;
+    }
+    int init_end = min(a.init, nb);
+    int local_begin = max(nb - a.local, init_end);
+    int room = a.topk - init_end - (nb - local_begin);
+    const float *sc = a.scores + (int64_t)item * a.mb;
+    if (a.sel_staged && room > 0) {
+        float *st = reinterpret_cast<float *>(dsm + (sizeof(SelShared) + 15) / 16 * 16);
+        for (int b = init_end + threadIdx.x; b < local_begin; b += kThreads)
+            st[b] = __ldcg(sc + b);
+        __syncthreads();
+        sc = st;
+    }
+    if (room > 0) {
+        uint64_t thr = sel_threshold(sc, init_end, local_begin, (unsigned)room, sh);
+        int got = sel_compact(sc, init_end, local_begin, thr, room, out + init_end, sh);
+        for (int i = got + threadIdx.x; i < room; i += kThreads)
+            out[init_end + i] = -1;
+    }
+    for (int i = threadIdx.x; i < init_end; i += kThreads)
+        out[i] = i;
+    for (int i = threadIdx.x; i < nb - local_begin; i += kThreads)
+        out[init_end + room + i] = local_begin + i;
+}
+
+__device__ void sel_item(const MonoArgs &a, unsigned char *dsm, int item, bool faulted) {
+    const int t = item / a.Ni;
+    if (!faulted)
+        select_one(a, dsm, t, item, a.sel + (size_t)item * a.topk);
+    signal_count(&a.ctr[a.o_sel + item]);
+}
+
+/* ---------------------------------------------------------------- attention
+ * (cuda_attention.cu attn_kernel: 4 warps, 64-key tiles, bf16 mma.sync; one
+ * split = one selected block; every split writes a partial, the group's
+ * last split merges them in split order) */
+
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+struct AttnCta {
+    int t, g, h0, nh, split;
+    RowView rv;
+    const int32_t *sel;
+    int tile0, ntiles;
+    bool poisoned;
+};
+
+struct WarpAttn {
+    float o[kHD / 8][4];
+    float m[2];
+    float l[2];
+};
+
+__device__ int sel_count(const int32_t *sel, int topk) {
+    const int lane = threadIdx.x & 31;
+    for (int base = 0; base < topk; base += 32) {
+        int i = base + lane;
+        unsigned end = __ballot_sync(kFull, i < topk && __ldcg(sel + i) < 0);
+        if (end)
+            return base + __ffs(end) - 1;
+    }
+    return topk;
+}
+
+__device__ AttnCta attn_cta(const MonoArgs &a, int t, int g, int mt, int split) {
+    AttnCta c;
+    c.split = split;
+    c.g = g;
+    c.t = t;
+    c.h0 = g * a.group + mt * kHeadTile;
+    c.nh = min(kHeadTile, a.group - mt * kHeadTile);
+    c.rv = load_row(a, t);
+    c.sel = nullptr;
+    c.tile0 = 0;
+    c.ntiles = 0;
+    c.poisoned = c.rv.state == ROW_BAD;
+    if (c.rv.state != ROW_OK)
+        return c;
+    c.sel = a.sel + ((int64_t)t * a.Ni + g) * a.topk;
+    int n = sel_count(c.sel, a.topk);
+    int64_t n2 = 2 * (int64_t)n;
+    int64_t t0 = (int64_t)split * n2 / a.S, t1 = (int64_t)(split + 1) * n2 / a.S;
+    c.tile0 = (int)t0;
+    c.ntiles = (int)(t1 - t0);
+    return c;
+}
+
+__device__ int attn_tile(const MonoArgs &a, const AttnCta &c, int i, int64_t *elem) {
+    int u = (c.tile0 + i) >> 1, half = (c.tile0 + i) & 1;
+    int b = __ldcg(c.sel + u);
+    int64_t rem = c.rv.kv_len - ((int64_t)b * M3_PAGE + half * kAttnKeys);
+    if (rem <= 0)
+        return 0;
+    if (b >= a.mb)
+        return -1;
+    int64_t page = c.rv.table[b];
+    if (!page_ok(a, page)) {
+        if (threadIdx.x == 0)
+            fault_set(a.fault, M3_MONO_FAULT_PAGE, a.layer, c.t, page);
+        return -1;
+    }
+    *elem = ((page * a.Nkv + c.g) * M3_PAGE + half * kAttnKeys) * kHD;
+    return rem < kAttnKeys ? (int)rem : kAttnKeys;
+}
+
+__device__ void attn_load(const MonoArgs &a, const AttnCta &c, int i, unsigned char *stage,
+                          int *s_count) {
+    constexpr int kCpr = kHD / 8;
+    int64_t elem = 0;
+    int count = attn_tile(a, c, i, &elem);
+    if (threadIdx.x == 0)
+        *s_count = count;
+    if (count <= 0)
+        return;
+    const uint16_t *ks = a.kc + elem, *vs = a.vc + elem;
+    for (int x = threadIdx.x; x < kAttnKeys * kCpr; x += kThreads) {
+        int r = x / kCpr, k = x % kCpr;
+        bool in = r < count;
+        int64_t off = in ? (int64_t)r * kHD + k * 8 : 0;
+        unsigned char *dst = stage + r * kRowBytes + k * 16;
+        cp_async16(dst, ks + off, in);
+        cp_async16(dst + kTileBytes, vs + off, in);
+    }
+}
+
+__device__ void attn_load_q(const MonoArgs &a, const AttnCta &c, unsigned char *sq) {
+    constexpr int kCpr = kHD / 8;
+    const uint16_t *q = a.proj + (size_t)c.t * a.Ntot + a.off_q + (size_t)c.h0 * kHD;
+    for (int x = threadIdx.x; x < kHeadTile * kCpr; x += kThreads) {
+        int r = x / kCpr, k = x % kCpr;
+        bool in = r < c.nh;
+        cp_async16(sq + r * kRowBytes + k * 16, q + (in ? (int64_t)r * kHD + k * 8 : 0), in);
+    }
+}
+
+__device__ __forceinline__ void attn_rescale(WarpAttn &w, const float (&s)[2][4],
+                                             float (&ref)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+        float m_new = fmaxf(w.m[r], mx);
+        ref[r] = m_new == -INFINITY ? 0.0f : m_new;
+        float alpha = exp2f(w.m[r] - ref[r]);
+        w.m[r] = m_new;
+        w.l[r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < kHD / 8; n++) {
+            w.o[n][2 * r] *= alpha;
+            w.o[n][2 * r + 1] *= alpha;
+        }
+    }
+}
+
+__device__ __forceinline__ void attn_probs(WarpAttn &w, const float (&s)[2][4],
+                                           const float (&ref)[2], uint32_t (&pa)[4]) {
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            __nv_bfloat162 p = __floats2bfloat162_rn(exp2f(s[nt][2 * r] - ref[r]),
+                                                     exp2f(s[nt][2 * r + 1] - ref[r]));
+            w.l[r] += __low2float(p) + __high2float(p);
+            pa[nt * 2 + r] = (uint32_t)__bfloat16_as_ushort(p.x) |
+                             ((uint32_t)__bfloat16_as_ushort(p.y) << 16);
+        }
+}
+
+__device__ __forceinline__ void attn_warp_tile(WarpAttn &w, const unsigned char *sq,
+                                               const unsigned char *sk, const unsigned char *sv,
+                                               int valid, float scale_log2) {
+    const int lane = threadIdx.x & 31, tq = lane & 3, mi = lane >> 3, r8 = lane & 7;
+    float s[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kHD / 16; ks++) {
+        uint32_t qa[4], kb[4];
+        ldsm_x4(qa, sq + (r8 + (mi & 1) * 8) * kRowBytes + (ks * 16 + (mi >> 1) * 8) * 2);
+        ldsm_x4(kb, sk + (r8 + (mi >> 1) * 8) * kRowBytes + (ks * 16 + (mi & 1) * 8) * 2);
+        mma_bf16(s[0], qa, kb[0], kb[1]);
+        mma_bf16(s[1], qa, kb[2], kb[3]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            s[nt][e] = nt * 8 + 2 * tq + (e & 1) < valid ? s[nt][e] * scale_log2 : -INFINITY;
+    float ref[2];
+    uint32_t pa[4];
+    attn_rescale(w, s, ref);
+    attn_probs(w, s, ref, pa);
+#pragma unroll
+    for (int dp = 0; dp < kHD / 16; dp++) {
+        uint32_t vb[4];
+        ldsm_x4_t(vb, sv + (r8 + (mi & 1) * 8) * kRowBytes + (dp * 16 + (mi >> 1) * 8) * 2);
+        mma_bf16(w.o[2 * dp], pa, vb[0], vb[1]);
+        mma_bf16(w.o[2 * dp + 1], pa, vb[2], vb[3]);
+    }
+}
+
+/* Merge the warps' states and write the split's partial (max, sum, acc). */
+__device__ void attn_partial(const MonoArgs &a, const AttnCta &c, WarpAttn &w,
+                             unsigned char *smem) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    float *s_o = reinterpret_cast<float *>(smem);
+    float *s_m = s_o + kWarps * kHeadTile * kOStride, *s_l = s_m + kWarps * kHeadTile;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        w.l[r] += __shfl_xor_sync(kFull, w.l[r], 1);
+        w.l[r] += __shfl_xor_sync(kFull, w.l[r], 2);
+    }
+    float *o0 = s_o + (warp * kHeadTile + g) * kOStride, *o1 = o0 + 8 * kOStride;
+#pragma unroll
+    for (int n = 0; n < kHD / 8; n++) {
+        o0[n * 8 + 2 * tq] = w.o[n][0];
+        o0[n * 8 + 2 * tq + 1] = w.o[n][1];
+        o1[n * 8 + 2 * tq] = w.o[n][2];
+        o1[n * 8 + 2 * tq + 1] = w.o[n][3];
+    }
+    if (tq == 0)
+        for (int r = 0; r < 2; r++) {
+            s_m[warp * kHeadTile + g + 8 * r] = w.m[r];
+            s_l[warp * kHeadTile + g + 8 * r] = w.l[r];
+        }
+    __syncthreads();
+    for (int x = threadIdx.x; x < c.nh * kHD; x += kThreads) {
+        int r = x / kHD, d = x % kHD;
+        float M = -INFINITY, L = 0.0f, acc = 0.0f;
+        bool any = false;
+        for (int v = 0; v < kWarps; v++)
+            if (s_l[v * kHeadTile + r] != 0.0f) {
+                any = true;
+                M = fmaxf(M, s_m[v * kHeadTile + r]);
+            }
+        float ref = M == -INFINITY ? 0.0f : M;
+        for (int v = 0; v < kWarps; v++) {
+            float lv = s_l[v * kHeadTile + r];
+            if (lv != 0.0f) {
+                float f = exp2f(s_m[v * kHeadTile + r] - ref);
+                L += f * lv;
+                acc += f * s_o[(v * kHeadTile + r) * kOStride + d];
+            }
+        }
+        if (c.poisoned) {
+            any = true;
+            M = -INFINITY;
+            L = acc = qnan();
+        }
+        int64_t head = (int64_t)c.t * a.Nq + c.h0 + r;
+        int64_t p = head * a.S + c.split;
+        a.att_acc[p * kHD + d] = acc;
+        if (d == 0)
+            a.att_ml[p] = make_float2(any ? M : -INFINITY, any ? L : 0.0f);
+    }
+}
+
+/* The group's S partials, in split order, into the bf16 output (zeros when
+ * no split saw a key). smem: the stages, free again.
+ *
+ * Latency: the (max, sum) pairs are read once, all at a time, into shared
+ * memory; each thread then owns 4 dims of a head (float4) and reads kMergeU
+ * splits' partials per round trip, so the S x nh x 128 partial values take
+ * a few round trips instead of hundreds of dependent loads. The
+ * arithmetic and its order (per output, splits in order) are unchanged. */
+constexpr int kMergeU = 4;
+
+__device__ void attn_merge(const MonoArgs &a, const AttnCta &c, unsigned char *smem) {
+    float *fac = reinterpret_cast<float *>(smem);      /* [nh][S] */
+    float *sL = fac + kHeadTile * kMaxSplits;          /* [nh] */
+    int *sany = reinterpret_cast<int *>(sL + kHeadTile);
+    float2 *sml = reinterpret_cast<float2 *>(sany + kHeadTile); /* [nh][S] */
+    const int S = a.S;
+    const int64_t head0 = (int64_t)c.t * a.Nq + c.h0;
+    for (int i = threadIdx.x; i < c.nh * S; i += kThreads) {
+        int r = i / S, s = i % S;
+        sml[r * kMaxSplits + s] = __ldcg(a.att_ml + (head0 + r) * S + s);
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < c.nh; r += kThreads) {
+        float M = -INFINITY;
+        int any = 0;
+        for (int s = 0; s < S; s++) {
+            float2 v = sml[r * kMaxSplits + s];
+            if (v.y != 0.0f) {
+                any = 1;
+                M = fmaxf(M, v.x);
+            }
+        }
+        float ref = M == -INFINITY ? 0.0f : M, L = 0.0f;
+        for (int s = 0; s < S; s++) {
+            float2 v = sml[r * kMaxSplits + s];
+            float f = 0.0f;
+            if (v.y != 0.0f) {
+                f = exp2f(v.x - ref);
+                L += f * v.y;
+            }
+            fac[r * kMaxSplits + s] = v.y != 0.0f ? f : qnan(); /* NaN: not taking part */
+        }
+        sL[r] = L;
+        sany[r] = any;
+    }
+    __syncthreads();
+    constexpr int kD4 = kHD / 4;
+    for (int x = threadIdx.x; x < c.nh * kD4; x += kThreads) {
+        int r = x / kD4, d = (x % kD4) * 4;
+        int64_t head = head0 + r;
+        uint2 out = make_uint2(0u, 0u);
+        if (sany[r]) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const float4 *src = reinterpret_cast<const float4 *>(a.att_acc + head * S * kHD + d);
+            for (int s0 = 0; s0 < S; s0 += kMergeU) {
+                float4 pv[kMergeU];
+#pragma unroll
+                for (int u = 0; u < kMergeU; u++) /* splits past S: not read */
+                    pv[u] = s0 + u < S ? __ldcg(src + (size_t)(s0 + u) * (kHD / 4))
+                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (int u = 0; u < kMergeU; u++) {
+                    if (s0 + u >= S)
+                        break;
+                    float f = fac[r * kMaxSplits + s0 + u];
+                    if (!isnan(f)) {
+                        acc[0] += f * pv[u].x;
+                        acc[1] += f * pv[u].y;
+                        acc[2] += f * pv[u].z;
+                        acc[3] += f * pv[u].w;
+                    }
+                }
+            }
+            float L = sL[r];
+            out.x = (uint32_t)m3_to_bf(acc[0] / L) | ((uint32_t)m3_to_bf(acc[1] / L) << 16);
+            out.y = (uint32_t)m3_to_bf(acc[2] / L) | ((uint32_t)m3_to_bf(acc[3] / L) << 16);
+        }
+        *reinterpret_cast<uint2 *>(a.attn + head * kHD + d) = out;
+    }
+}
+
+__device__ void att_item(const MonoArgs &a, Ctl &ctl, unsigned char *smem, int item,
+                         bool faulted) {
+    const int split = item % a.S;
+    int id = item / a.S;
+    const int mt = id % a.mtiles;
+    id /= a.mtiles;
+    const int g = id % a.Nkv, t = id / a.Nkv;
+    wait_count(&a.ctr[a.o_sel + t * a.Ni + g], 1u);
+    AttnCta c = attn_cta(a, t, g, mt, split);
+    if (!faulted) {
+        unsigned char *sq = smem + kQOffset;
+        const int warp = threadIdx.x >> 5;
+        WarpAttn w;
+#pragma unroll
+        for (int n = 0; n < kHD / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                w.o[n][e] = 0.0f;
+        w.m[0] = w.m[1] = -INFINITY;
+        w.l[0] = w.l[1] = 0.0f;
+        if (c.ntiles > 0) {
+            attn_load_q(a, c, sq);
+            attn_load(a, c, 0, smem, &ctl.s_count[0]);
+        }
+        cp_async_commit();
+        for (int i = 0; i < c.ntiles; i++) {
+            if (i + 1 < c.ntiles)
+                attn_load(a, c, i + 1, smem + ((i + 1) & 1) * kStageBytes,
+                          &ctl.s_count[(i + 1) & 1]);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();
+            int count = ctl.s_count[i & 1];
+            if (count < 0)
+                c.poisoned = true;
+            const unsigned char *st = smem + (i & 1) * kStageBytes + warp * 16 * kRowBytes;
+            if (count > warp * 16)
+                attn_warp_tile(w, sq, st, st + kTileBytes, count - warp * 16, a.attn_scale_log2);
+            __syncthreads();
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+        attn_partial(a, c, w, smem);
+    }
+    if (!arrive(a.ctr + a.o_att + (t * a.Nkv + g) * a.mtiles + mt, (unsigned)a.S, ctl))
+        return;
+    if (!fault_now(a, ctl))
+        attn_merge(a, c, smem);
+    signal_count(&a.ctr[C_ATT]);
+}
+
+
+} // namespace m3mono
+
+#endif

@@ -1,0 +1,684 @@
+/*
+ * Device helpers of the mono kernels: counters, step rows, the GEMV core, norms.
+ * Part of the mono executor's kernel unit (cuda_mono_kernels.cu includes it;
+ * cuda_mono.cu describes the design).
+ */
+#ifndef M3_CUDA_CUDA_MONO_DEV_CUH
+#define M3_CUDA_CUDA_MONO_DEV_CUH
+
+namespace m3mono {
+
+/* ================================================================ helpers */
+
+__device__ __forceinline__ float qnan() { return __int_as_float(0x7fc00000); }
+
+__device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
+    uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        f[2 * k] = __uint_as_float(w[k] << 16);
+        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float f[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        w[k] = (uint32_t)m3_to_bf(f[2 * k]) | ((uint32_t)m3_to_bf(f[2 * k + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ int ld_vol(const int *p) { return *(const volatile int *)p; }
+
+__device__ __forceinline__ uint2 ld_vol_v2(const uint2 *p) {
+    uint2 v;
+    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_vol_v2(uint2 *p, uint2 v) {
+    asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y)
+                 : "memory");
+}
+
+__device__ __forceinline__ unsigned long long gtimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* The first fault wins; [1..3] are written after the code, before the step's
+ * check kernel (a later launch) reads them. */
+__device__ void fault_set(int *f, int code, int layer, int row, long long value) {
+    if (atomicCAS(f, 0, code) == 0) {
+        f[1] = layer;
+        f[2] = row;
+        f[3] = value > INT_MAX ? INT_MAX : (value < INT_MIN ? INT_MIN : (int)value);
+        __threadfence();
+    }
+}
+
+/* ---- counters: every thread of the CTA calls these ---- */
+
+/* Wait until *c >= target; afterwards the CTA sees what the producers
+ * wrote before their release (reads of such data use ld.cg, never L1). */
+__device__ __forceinline__ void wait_count(const unsigned *c, unsigned target) {
+    if (threadIdx.x == 0)
+        while (ld_acquire(c) < target)
+            __nanosleep(64);
+    __syncthreads();
+}
+
+/* Publish the CTA's writes and bump *c. */
+__device__ __forceinline__ void signal_count(unsigned *c) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(c, 1u);
+    }
+}
+
+/* Publish, bump *c; true in the CTA whose bump completes `total` (it then
+ * sees every earlier arriver's writes). */
+__device__ __forceinline__ bool arrive(unsigned *c, unsigned total, Ctl &ctl) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        ctl.flag = atomicAdd(c, 1u) + 1u == total;
+        __threadfence();
+    }
+    __syncthreads();
+    return ctl.flag != 0;
+}
+
+/* The fault word now, the same answer in every thread of the CTA. */
+__device__ __forceinline__ bool fault_now(const MonoArgs &a, Ctl &ctl) {
+    __syncthreads();
+    if (threadIdx.x == 0)
+        ctl.fnow = ld_vol(a.fault) != 0; /* its own field: next_item writes ctl.faulted */
+    __syncthreads();
+    return ctl.fnow != 0;
+}
+
+__device__ __forceinline__ double block_sum_d(double v, Ctl &ctl) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = m3_warp_sum_d(v);
+    __syncthreads();
+    if (lane == 0)
+        ctl.red[warp] = v;
+    __syncthreads();
+    double s = 0.0;
+#pragma unroll
+    for (int w = 0; w < kWarps; w++)
+        s += ctl.red[w];
+    return s;
+}
+
+/* index of value (which, src rank, row, column) in a landing area */
+__device__ __forceinline__ size_t land_idx(const MonoArgs &a, int which, int src, int t, int n) {
+    return (((size_t)which * a.world + src) * kMaxT + t) * (size_t)a.H + n;
+}
+
+/* A peer's pushed value: spin on its tag, bounded. */
+__device__ float ll_read(const MonoArgs &a, const uint2 *p, uint32_t tag, int row, int src) {
+    uint2 v = ld_vol_v2(p);
+    if (v.y == tag)
+        return __uint_as_float(v.x);
+    unsigned long long t0 = gtimer();
+    for (;;) {
+        __nanosleep(100);
+        v = ld_vol_v2(p);
+        if (v.y == tag)
+            return __uint_as_float(v.x);
+        if (ld_vol(a.fault) != 0)
+            return qnan();
+        if (gtimer() - t0 > kPeerTimeoutNs) {
+            fault_set(a.fault, M3_MONO_FAULT_PEER_WAIT, a.layer, row, src);
+            return qnan();
+        }
+    }
+}
+
+__device__ __forceinline__ void ll_push(const MonoArgs &a, int which, int t, int n, float v,
+                                        uint32_t tag) {
+    uint2 pair = make_uint2(__float_as_uint(v), tag);
+    for (int dst = 0; dst < a.world; dst++)
+        st_vol_v2(a.peers[dst] + land_idx(a, which, a.rank, t, n), pair);
+}
+
+/* ================================================================ step rows */
+
+enum { ROW_OK = 0, ROW_PADDED, ROW_BAD };
+
+struct RowView {
+    int state;
+    int64_t kv_len;
+    int nblocks;
+    const int32_t *table;
+};
+
+/* cuda_attention.cu load_row on the mono arguments */
+__device__ RowView load_row(const MonoArgs &a, int t) {
+    int64_t slot = a.slots[t], pos = a.pos[t], cap = (int64_t)a.mb * M3_PAGE;
+    int32_t req = a.row_req[t];
+    RowView r{ROW_PADDED, 0, 0, nullptr};
+    if (slot < 0)
+        return r;
+    r.kv_len = pos < 0 ? 0 : pos + 1;
+    r.state = ROW_OK;
+    if (pos >= cap) {
+        r.kv_len = cap;
+        r.state = ROW_BAD;
+    }
+    r.nblocks = (int)((r.kv_len + M3_PAGE - 1) / M3_PAGE);
+    if (req < 0)
+        r.state = ROW_BAD;
+    if (r.state == ROW_OK)
+        r.table = a.btab + (int64_t)req * a.mb;
+    return r;
+}
+
+__device__ __forceinline__ bool page_ok(const MonoArgs &a, int64_t page) {
+    return page >= 0 && page < a.n_pages;
+}
+
+/* ================================================================ GEMV core */
+
+struct WRow { /* one warp's weight rows */
+    const uint8_t *w, *s;
+    int64_t w_row, s_row;
+    int fp8;
+};
+
+__device__ __forceinline__ WRow wrow_of(const WMat &m) {
+    WRow r = {m.w, m.s, m.w_row, m.s_row, m.fp8};
+    return r;
+}
+
+__device__ __forceinline__ WRow wrow_expert(const WExp &x, int e) {
+    WRow r = {x.w + (int64_t)e * x.w_stride, x.s ? x.s + (int64_t)e * x.s_stride : nullptr,
+              x.w_row, x.s_row, x.fp8};
+    return r;
+}
+
+/* Rows [0, NR) of the activations' chunk [kc, kc + kn) into xs [NR][kKC]
+ * (rows >= rows and columns >= kn are zero). L2 loads: the rows were
+ * written by other CTAs of this launch. */
+template <int NR>
+__device__ __forceinline__ void stage_x(uint16_t *xs, const uint16_t *const *rowp, int rows,
+                                        int kc, int kn) {
+    for (int i = threadIdx.x; i < NR * (kKC / 8); i += kThreads) {
+        int t = i / (kKC / 8), c = (i % (kKC / 8)) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (t < rows && c < kn)
+            v = __ldcg(reinterpret_cast<const uint4 *>(rowp[t] + kc + c));
+        *reinterpret_cast<uint4 *>(xs + t * kKC + c) = v;
+    }
+}
+
+/* L2 prefetch of [p, p + bytes) (one bulk request, no registers, nothing
+ * waits for it); p and bytes must be multiples of 16. */
+__device__ __forceinline__ void l2_prefetch(const void *p, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+/* Ask L2 for rows [n0, n0 + nr) (those < N) of W over columns [k0, k1):
+ * threads first_thread .. + nr - 1, one request per row (and one per row's MXFP8
+ * scales, trimmed to whole 16-byte pieces). Issued when an item starts,
+ * before it waits on its inputs: the item's weight bytes are all in flight
+ * at once and the K loop's loads then hit L2. k0 is a multiple of kKC and
+ * K of 32, so the weight requests are whole 16-byte pieces. */
+__device__ __forceinline__ void prefetch_row(const WRow &W, int64_t n, int64_t N, int k0, int k1) {
+    if (n >= N || k1 <= k0)
+        return;
+    const int64_t esz = W.fp8 ? 1 : 2;
+    l2_prefetch(W.w + n * W.w_row + (int64_t)k0 * esz, (uint32_t)((int64_t)(k1 - k0) * esz));
+    if (W.fp8) {
+        uintptr_t b = (uintptr_t)(W.s + n * W.s_row + k0 / 32), e = b + (k1 - k0) / 32;
+        b = (b + 15) & ~(uintptr_t)15;
+        e &= ~(uintptr_t)15;
+        if (e > b)
+            l2_prefetch((const void *)b, (uint32_t)(e - b));
+    }
+}
+
+__device__ __forceinline__ void prefetch_rows(const WRow &W, int64_t n0, int nr, int64_t N, int k0,
+                                              int k1, int first_thread = 0) {
+    const int i = (int)threadIdx.x - first_thread;
+    if (i >= 0 && i < nr)
+        prefetch_row(W, n0 + i, N, k0, k1);
+}
+
+/* How far ahead of the K loop weights are asked for: an item prefetches
+ * its rows' first kPfChunks chunks when it starts (pf_end gives the end),
+ * the K loop then one chunk per chunk it consumes. Bounded so the bytes in
+ * flight over the whole GPU (CTAs x 2 chunks x 16 KiB) stay well inside L2. */
+constexpr int kPfChunks = 2;
+
+__device__ __forceinline__ int pf_end(int k0, int k1) { return min(k1, k0 + kPfChunks * kKC); }
+
+/* fp32 rows (the router) */
+__device__ __forceinline__ void prefetch_rows_f32(const float *w, int64_t K, int64_t n0, int nr,
+                                                  int64_t N, int k0, int k1) {
+    const int i = threadIdx.x;
+    if (i < nr && n0 + i < N && k1 > k0)
+        l2_prefetch(w + (n0 + i) * K + k0, (uint32_t)((k1 - k0) * 4));
+}
+
+/* cuda_gemv.cuh gemv_chunk, split in two: the weight loads of this warp's
+ * rows over the chunk (registers), then acc[r][t] += w[n0 + r, kc + k]
+ * x[t, k] over this lane's k of the chunk. The loads are issued before the
+ * activations are staged, so the two round trips overlap. */
+template <bool FP8>
+struct WBuf;
+template <>
+struct WBuf<true> {
+    uint2 wv[kRW][kKU];
+    float sc[kRW][kKU];
+};
+template <>
+struct WBuf<false> {
+    uint4 wv[kRW][kKU];
+};
+
+template <bool FP8>
+__device__ __forceinline__ void chunk_load(WBuf<FP8> &b, const WRow &W, int64_t n0, int64_t N,
+                                           int kc, int kn, int lane) {
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int u = 0; u < kKU; u++) {
+            int k = lane * 8 + u * 256;
+            bool ok = n0 + r < N && k < kn;
+            if constexpr (FP8) {
+                const uint8_t *row = W.w + (n0 + r) * W.w_row + kc + k;
+                b.wv[r][u] = ok ? __ldg(reinterpret_cast<const uint2 *>(row)) : make_uint2(0, 0);
+                b.sc[r][u] = ok ? m3_e8m0(W.s[(n0 + r) * W.s_row + (kc + k) / 32]) : 0.0f;
+            } else {
+                const uint8_t *row = W.w + (n0 + r) * W.w_row + (int64_t)(kc + k) * 2;
+                b.wv[r][u] =
+                    ok ? __ldg(reinterpret_cast<const uint4 *>(row)) : make_uint4(0, 0, 0, 0);
+            }
+        }
+}
+
+template <int NR, bool FP8>
+__device__ __forceinline__ void chunk_fma(float (&acc)[kRW][NR], const WBuf<FP8> &b, int kn,
+                                          const uint16_t *xs, int lane) {
+#pragma unroll
+    for (int u = 0; u < kKU; u++) {
+        int k = lane * 8 + u * 256;
+        if (k >= kn)
+            continue;
+        float wf[kRW][8];
+#pragma unroll
+        for (int r = 0; r < kRW; r++) {
+            if constexpr (FP8)
+                e4m3x8_to_f32(b.wv[r][u], b.sc[r][u], wf[r]);
+            else
+                bf16x8_to_f32(b.wv[r][u], wf[r]);
+        }
+#pragma unroll
+        for (int t = 0; t < NR; t++) {
+            float xf[8];
+            bf16x8_to_f32(*reinterpret_cast<const uint4 *>(xs + t * kKC + k), xf);
+#pragma unroll
+            for (int r = 0; r < kRW; r++)
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    acc[r][t] += wf[r][j] * xf[j];
+        }
+    }
+}
+
+template <int NR, bool FP8>
+__device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W, int64_t n0,
+                                           int64_t N, int k0, int k1,
+                                           const uint16_t *const *rowp, int rows, uint16_t *xs,
+                                           int lane) {
+    for (int kc = k0; kc < k1; kc += kKC) {
+        int kn = min(kKC, k1 - kc);
+        /* keep the L2 prefetch kPfChunks chunks ahead (the item asked for
+         * the first kPfChunks when it started) */
+        const int kp = kc + kPfChunks * kKC;
+        if (kp < k1 && lane < kRW)
+            prefetch_row(W, n0 + lane, N, kp, min(k1, kp + kKC));
+        WBuf<FP8> b;
+        chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */
+        __syncthreads(); /* the previous chunk (or item) is consumed */
+        stage_x<NR>(xs, rowp, rows, kc, kn);
+        __syncthreads();
+        if (n0 < N)
+            chunk_fma<NR, FP8>(acc, b, kn, xs, lane);
+    }
+}
+
+/* This warp's rows n0, n0 + 1 (of N) over K columns [k0, k1) for activation
+ * rows ctl.rowp[0, rows); sums reduced over the warp. Every thread of the
+ * CTA calls it (it synchronises the CTA), each warp with its own rows.
+ * skip (CTA-uniform): zeros, nothing read. */
+template <int NR>
+__device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int64_t N, int k0,
+                          int k1, const uint16_t *const *rowp, int rows, uint16_t *xs,
+                          bool skip) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            acc[r][t] = 0.0f;
+    if (skip)
+        return;
+    if (W.fp8)
+        gemv_kloop<NR, true>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane);
+    else
+        gemv_kloop<NR, false>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane);
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            acc[r][t] = m3_warp_sum(acc[r][t]);
+}
+
+/* The fp32-weight GEMV (the router): linear_f32w_kernel's inner loop, two
+ * rows per warp. */
+template <int NR>
+__device__ void gemv_rows_f32(float (&acc)[kRW][NR], const float *w, int64_t n0, int64_t N,
+                              int K, int k0, int k1, const uint16_t *const *rowp, int rows,
+                              uint16_t *xs, bool skip) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            acc[r][t] = 0.0f;
+    if (skip)
+        return;
+    for (int kc = k0; kc < k1; kc += kKC) {
+        int kn = min(kKC, k1 - kc);
+        /* both rows' weights first (in flight while x is staged) */
+        float4 wv[kRW][kKC / 128];
+#pragma unroll
+        for (int r = 0; r < kRW; r++) {
+            int64_t n = n0 + r;
+#pragma unroll
+            for (int u = 0; u < kKC / 128; u++) {
+                int k = u * 128 + lane * 4;
+                wv[r][u] = n < N && k < kn
+                               ? __ldg(reinterpret_cast<const float4 *>(w + n * K + kc + k))
+                               : make_float4(0, 0, 0, 0);
+            }
+        }
+        __syncthreads();
+        stage_x<NR>(xs, rowp, rows, kc, kn);
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < kRW; r++) {
+            int64_t n = n0 + r;
+            if (n >= N)
+                continue;
+#pragma unroll
+            for (int u = 0; u < kKC / 128; u++) {
+                int k = u * 128 + lane * 4;
+                if (k >= kn)
+                    continue;
+#pragma unroll
+                for (int t = 0; t < NR; t++) {
+                    const uint16_t *xr = xs + t * kKC + k;
+                    acc[r][t] += wv[r][u].x * m3_bf(xr[0]) + wv[r][u].y * m3_bf(xr[1]) +
+                                 wv[r][u].z * m3_bf(xr[2]) + wv[r][u].w * m3_bf(xr[3]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            acc[r][t] = m3_warp_sum(acc[r][t]);
+}
+
+/* acc (every lane holds the warp's sums) -> ctl.fin[warp * 2 + r][t] */
+template <int NR>
+__device__ __forceinline__ void acc_to_fin(const float (&acc)[kRW][NR], Ctl &ctl) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            if ((r * NR + t) % 32 == lane)
+                ctl.fin[warp * kRW + r][t] = acc[r][t];
+    __syncthreads();
+}
+
+/* K slice `slice` of s of a tile: with s == 1 the sums go to ctl.fin; else
+ * to the tile's partial slot, and the tile's last slice sums all slots in
+ * slice order into ctl.fin. Returns true in the CTA holding ctl.fin. */
+template <int NR>
+__device__ bool split_reduce(const float (&acc)[kRW][NR], int s, int slice, int tile,
+                             float *part, unsigned *tile_ctr, Ctl &ctl, int stride = 0) {
+    if (s == 1) {
+        acc_to_fin<NR>(acc, ctl);
+        return true;
+    }
+    if (stride < s)
+        stride = s; /* slots per tile in part */
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float *mine = part + ((size_t)tile * stride + slice) * (kTile * kMaxT);
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            if ((r * NR + t) % 32 == lane)
+                mine[(warp * kRW + r) * kMaxT + t] = acc[r][t];
+    if (!arrive(tile_ctr + tile, (unsigned)s, ctl))
+        return false;
+    for (int i = threadIdx.x; i < kTile * NR; i += kThreads) {
+        int r = i / NR, t = i % NR;
+        const float *src = part + (size_t)tile * stride * (kTile * kMaxT) + r * kMaxT + t;
+        float v = 0.0f;
+        for (int k0 = 0; k0 < s; k0 += 8) { /* 8 slots' loads in flight, summed in order */
+            float pv[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                pv[k] = k0 + k < s ? __ldcg(src + (size_t)(k0 + k) * (kTile * kMaxT)) : 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                if (k0 + k < s)
+                    v += pv[k];
+        }
+        ctl.fin[r][t] = v;
+    }
+    __syncthreads();
+    return true;
+}
+
+/* The K range of slice `slice` of s (whole 1024-column chunks, as the stock
+ * split-K GEMV cuts them). */
+__device__ __forceinline__ void k_slice(int K, int s, int slice, int *k0, int *k1) {
+    int chunks = (K + kKC - 1) / kKC;
+    int ksl = (chunks + s - 1) / s * kKC;
+    *k0 = min(K, slice * ksl);
+    *k1 = min(K, *k0 + ksl);
+}
+
+/* rowp[t] = base + t * stride for the step's rows (before a GEMV: its first
+ * barrier publishes them) */
+__device__ __forceinline__ void set_rows(Ctl &ctl, const uint16_t *base, int64_t stride,
+                                         int rows) {
+    if ((int)threadIdx.x < rows)
+        ctl.rowp[threadIdx.x] = base + (int64_t)threadIdx.x * stride;
+}
+
+/* ================================================================ norms */
+
+/* ================================================================ cp.async */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool fill) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(fill ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* ================================================================ norms */
+
+/* One row: with add, residual = bf16(add + residual) (the addend: the bf16
+ * row addp, or add8 giving 8 values of it when addp is null); out =
+ * bf16(gemma_norm(residual) * (1 + w)). The stock add_rmsnorm arithmetic
+ * (squares summed in double, each thread over its vectors v = tid, tid +
+ * 128, ... in order, then the CTA's sum; the mean rounded once).
+ *
+ * Latency: when the row fits shared memory (3 x H bf16 <= a.smem; dsm),
+ * the residual, the addend and the norm weight are copied in with cp.async,
+ * all in flight at once (one memory round trip for the whole row), and both
+ * passes work from shared memory; otherwise the loads of kNormU vectors per
+ * thread are issued together. */
+constexpr int kNormU = 2;
+
+template <typename Add8>
+__device__ void norm_row(const MonoArgs &a, Ctl &ctl, uint16_t *res, bool has_add,
+                         const uint16_t *addp, Add8 add8, const uint16_t *w, uint16_t *out,
+                         unsigned char *dsm) {
+    const int nvec = a.H / 8;
+    uint4 *rv = reinterpret_cast<uint4 *>(res);
+    const uint4 *wv = reinterpret_cast<const uint4 *>(w);
+    const uint4 *av = reinterpret_cast<const uint4 *>(addp);
+    uint4 *ov = reinterpret_cast<uint4 *>(out);
+    double ss = 0.0;
+    if ((size_t)a.H * 6 <= (size_t)a.smem) { /* CTA-uniform */
+        uint4 *sr = reinterpret_cast<uint4 *>(dsm), *sw = sr + nvec, *sa = sw + nvec;
+        for (int v = threadIdx.x; v < nvec; v += kThreads) {
+            cp_async16(sr + v, rv + v, true);
+            cp_async16(sw + v, wv + v, true);
+            if (has_add && addp)
+                cp_async16(sa + v, av + v, true);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        /* each thread reads back only what it copied itself until the sum's
+         * barriers */
+        for (int v = threadIdx.x; v < nvec; v += kThreads) {
+            float f[8];
+            unpack8(sr[v], f);
+            if (has_add) {
+                float ad[8];
+                if (addp)
+                    unpack8(sa[v], ad);
+                else
+                    add8(v, ad);
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    f[j] = m3_round_bf(__fadd_rn(ad[j], f[j]));
+                uint4 r = pack8(f);
+                sr[v] = r;
+                rv[v] = r;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                ss += (double)f[j] * (double)f[j];
+        }
+        ss = block_sum_d(ss, ctl);
+        float ms = (float)(ss / (double)a.H);
+        float rs = 1.0f / sqrtf(ms + a.eps);
+        for (int v = threadIdx.x; v < nvec; v += kThreads) {
+            float x[8], wf[8];
+            unpack8(sr[v], x);
+            unpack8(sw[v], wf);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                x[j] = __fmul_rn(__fmul_rn(x[j], rs), __fadd_rn(1.0f, wf[j]));
+            ov[v] = pack8(x);
+        }
+        __syncthreads(); /* dsm is free again for the next item */
+        return;
+    }
+    for (int v0 = threadIdx.x; v0 < nvec; v0 += kThreads * kNormU) {
+        uint4 r[kNormU];
+        float ad[kNormU][8];
+#pragma unroll
+        for (int i = 0; i < kNormU; i++) {
+            int v = v0 + i * kThreads;
+            if (v < nvec) {
+                r[i] = __ldcg(rv + v);
+                if (has_add) {
+                    if (addp)
+                        unpack8(__ldcg(av + v), ad[i]);
+                    else
+                        add8(v, ad[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kNormU; i++) {
+            int v = v0 + i * kThreads;
+            if (v >= nvec)
+                continue;
+            float f[8];
+            unpack8(r[i], f);
+            if (has_add) {
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    f[j] = m3_round_bf(__fadd_rn(ad[i][j], f[j]));
+                rv[v] = pack8(f);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                ss += (double)f[j] * (double)f[j];
+        }
+    }
+    ss = block_sum_d(ss, ctl);
+    float ms = (float)(ss / (double)a.H);
+    float rs = 1.0f / sqrtf(ms + a.eps);
+    for (int v0 = threadIdx.x; v0 < nvec; v0 += kThreads * kNormU) {
+        uint4 r[kNormU], wr[kNormU];
+#pragma unroll
+        for (int i = 0; i < kNormU; i++) {
+            int v = v0 + i * kThreads;
+            if (v < nvec) {
+                r[i] = __ldcg(rv + v); /* this thread's own write (or the input) */
+                wr[i] = __ldg(wv + v);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kNormU; i++) {
+            int v = v0 + i * kThreads;
+            if (v >= nvec)
+                continue;
+            float x[8], wf[8];
+            unpack8(r[i], x);
+            unpack8(wr[i], wf);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                x[j] = __fmul_rn(__fmul_rn(x[j], rs), __fadd_rn(1.0f, wf[j]));
+            ov[v] = pack8(x);
+        }
+    }
+}
+
+
+} // namespace m3mono
+
+#endif

@@ -1,0 +1,453 @@
+/*
+ * The post kernel's later items: o_proj, norm2, router + routing plan, the experts.
+ * Part of the mono executor's kernel unit (cuda_mono_kernels.cu includes it;
+ * cuda_mono.cu describes the design).
+ */
+#ifndef M3_CUDA_CUDA_MONO_FFN_CUH
+#define M3_CUDA_CUDA_MONO_FFN_CUH
+
+namespace m3mono {
+
+/* ---------------------------------------------------------------- o_proj, norm2 */
+
+template <int NR>
+__device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
+                           bool faulted) {
+    const int tile = item / a.s_o, slice = item % a.s_o;
+    const int KQ = a.Nq * kHD;
+    int k0, k1;
+    k_slice(KQ, a.s_o, slice, &k0, &k1);
+    if (!faulted) /* while attention runs */
+        prefetch_rows(wrow_of(a.wo), (int64_t)tile * kTile, kTile, a.H, k0, pf_end(k0, k1));
+    wait_count(&a.ctr[C_ATT], (unsigned)(a.T * a.Nkv * a.mtiles));
+    set_rows(ctl, a.attn, KQ, a.T);
+    const int warp = threadIdx.x >> 5;
+    float acc[kRW][NR];
+    gemv_rows<NR>(acc, wrow_of(a.wo), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp, a.T,
+                  reinterpret_cast<uint16_t *>(dsm), faulted);
+    if (!split_reduce<NR>(acc, a.s_o, slice, tile, a.part_o, a.ctr + a.o_otile, ctl))
+        return;
+    for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
+        int r = i / a.T, t = i % a.T, n = tile * kTile + r;
+        if (a.world == 1)
+            a.o[(size_t)t * a.H + n] = m3_to_bf(ctl.fin[r][t]); /* rounding point */
+        else
+            ll_push(a, 0, t, n, ctl.fin[r][t], ctl.tag_o); /* a partial sum: not rounded */
+    }
+    signal_count(&a.ctr[C_OPROJ]);
+}
+
+__device__ void norm2_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int t,
+                           bool faulted) {
+    wait_count(&a.ctr[C_OPROJ], (unsigned)(a.H / kTile));
+    if (!faulted) {
+        if (a.world == 1) {
+            auto none = [](int, float *) {};
+            norm_row(a, ctl, a.residual + (size_t)t * a.H, true, a.o + (size_t)t * a.H, none,
+                     a.post_norm, a.x2 + (size_t)t * a.H, dsm);
+        } else {
+            /* the all-reduce: every rank's partial, in rank order, rounded once */
+            auto add8 = [&](int v, float f[8]) {
+                for (int j = 0; j < 8; j++) {
+                    float s = 0.0f;
+                    for (int src = 0; src < a.world; src++)
+                        s += ll_read(a, a.landing + land_idx(a, 0, src, t, v * 8 + j), ctl.tag_o,
+                                     t, src);
+                    f[j] = m3_round_bf(s);
+                }
+            };
+            norm_row(a, ctl, a.residual + (size_t)t * a.H, true, (const uint16_t *)nullptr, add8,
+                     a.post_norm, a.x2 + (size_t)t * a.H, dsm);
+        }
+    }
+    signal_count(&a.ctr[C_NORM2]);
+}
+
+/* ---------------------------------------------------------------- router, routing, plan */
+
+__device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile);
+
+/* Every real row's top-K experts (m3_route_row / moe_route_kernel: keys
+ * sigmoid(l) + bias, NaN lowest, ties to the lower id; weights s / sum s),
+ * then the distinct experts in ascending id with their members (assignment
+ * m = t * K + s) in assignment order, as moe_plan_kernel groups them.
+ * Padded rows route nowhere. One CTA. */
+__device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int E = a.E, K = a.K, n = a.T * K;
+    /* the assignments' experts (shared memory; INT_MAX: a padded row's) */
+    int *pid = reinterpret_cast<int *>(dsm); /* [n] */
+    int *sorted = pid + kMaxAssign;          /* [n] */
+    for (int m = threadIdx.x; m < n; m += kThreads)
+        pid[m] = INT_MAX;
+    __syncthreads();
+    /* each warp's row keys and sigmoids [2][E], staged once per row when
+     * they fit (instead of K rounds of dependent global loads) */
+    const size_t koff = (2 * (size_t)kMaxAssign * sizeof(int) + 15) / 16 * 16;
+    const bool staged = koff + (size_t)kWarps * E * 8 <= (size_t)a.smem;
+    float *wkey = reinterpret_cast<float *>(dsm + koff) + (size_t)warp * 2 * E, *wsig = wkey + E;
+    for (int t = warp; t < a.T; t += kWarps) {
+        if (a.slots[t] < 0)
+            continue;
+        const float *l = a.logits + (size_t)t * E;
+        if (staged) {
+#pragma unroll 4
+            for (int e = lane; e < E; e += 32) {
+                float sg = m3_sigmoid(__ldcg(l + e));
+                float key = sg + (a.rbias ? __ldg(a.rbias + e) : 0.0f);
+                wkey[e] = isnan(key) ? -INFINITY : key;
+                wsig[e] = sg;
+            }
+            __syncwarp();
+        }
+        for (int round = 0; round < K; round++) {
+            float bk = -INFINITY;
+            int bi = INT_MAX;
+            for (int e = lane; e < E; e += 32) {
+                bool taken = false;
+                for (int q = 0; q < round; q++)
+                    taken |= ctl.rid[warp][q] == e;
+                if (taken)
+                    continue;
+                float key;
+                if (staged) {
+                    key = wkey[e];
+                } else {
+                    key = m3_sigmoid(__ldcg(l + e)) + (a.rbias ? __ldg(a.rbias + e) : 0.0f);
+                    if (isnan(key))
+                        key = -INFINITY;
+                }
+                if (key > bk || (key == bk && e < bi)) {
+                    bk = key;
+                    bi = e;
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                float ok = __shfl_xor_sync(kFull, bk, o);
+                int oi = __shfl_xor_sync(kFull, bi, o);
+                if (ok > bk || (ok == bk && oi < bi)) {
+                    bk = ok;
+                    bi = oi;
+                }
+            }
+            if (lane == 0)
+                ctl.rid[warp][round] = bi;
+            __syncwarp();
+        }
+        if (lane == 0) {
+            float s[kMaxTopE], sum = 0.0f;
+            for (int i = 0; i < K; i++) {
+                s[i] = staged ? wsig[ctl.rid[warp][i]] : m3_sigmoid(__ldcg(l + ctl.rid[warp][i]));
+                sum += s[i];
+            }
+            for (int i = 0; i < K; i++) {
+                a.rids[t * K + i] = ctl.rid[warp][i];
+                a.rw[t * K + i] = s[i] / sum;
+                pid[t * K + i] = ctl.rid[warp][i];
+            }
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+    /* plan: sort the real assignments by (expert, m) */
+    for (int m = threadIdx.x; m < n; m += kThreads) {
+        int e = pid[m];
+        if (e == INT_MAX)
+            continue;
+        int rank = 0;
+        for (int j = 0; j < n; j++)
+            rank += pid[j] < e || (pid[j] == e && j < m);
+        sorted[rank] = m;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int nreal = 0;
+        for (int m = 0; m < n; m++)
+            nreal += pid[m] != INT_MAX;
+        int u = 0;
+        for (int p = 0; p < nreal; p++) {
+            int m = sorted[p], e = pid[m];
+            if (p == 0 || e != pid[sorted[p - 1]]) {
+                a.uniq[u] = e;
+                a.ufirst[u] = p;
+                u++;
+            }
+            a.members[p] = m;
+        }
+        a.ufirst[u] = nreal;
+        *a.n_uniq = u;
+        ctl.nu = u;
+    }
+    signal_count(&a.ctr[C_PLAN]);
+    __syncthreads();
+    /* nothing will arrive at the combine counters: combine here (zeros) */
+    if (ctl.nu == 0 && a.Is == 0)
+        for (int tile = 0; tile < a.H / kTile; tile++)
+            combine_tile(a, ctl, tile);
+}
+
+template <int NR>
+__device__ void router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
+                            bool faulted) {
+    const int tile = item / a.s_rt, slice = item % a.s_rt;
+    int k0, k1;
+    k_slice(a.H, a.s_rt, slice, &k0, &k1);
+    if (!faulted)
+        prefetch_rows_f32(a.router, a.H, (int64_t)tile * kTile, kTile, a.E, k0, k1);
+    wait_count(&a.ctr[C_NORM2], (unsigned)a.T);
+    set_rows(ctl, a.x2, a.H, a.T);
+    const int warp = threadIdx.x >> 5;
+    float acc[kRW][NR];
+    gemv_rows_f32<NR>(acc, a.router, tile * kTile + warp * kRW, a.E, a.H, k0, k1, ctl.rowp, a.T,
+                      reinterpret_cast<uint16_t *>(dsm), faulted);
+    if (!split_reduce<NR>(acc, a.s_rt, slice, tile, a.part_rt, a.ctr + a.o_rtile, ctl))
+        return;
+    for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
+        int r = i / a.T, t = i % a.T, e = tile * kTile + r;
+        if (e < a.E)
+            a.logits[(size_t)t * a.E + e] = ctl.fin[r][t]; /* fp32: no rounding */
+    }
+    if (!arrive(&a.ctr[C_ROUTER], (unsigned)a.rt_tiles, ctl))
+        return;
+    route_and_plan(a, ctl, dsm);
+}
+
+/* ---------------------------------------------------------------- experts */
+
+/* 8-column tiles per routed down item (see edn_item) */
+constexpr int kEdnSub = 4;
+constexpr int kEdnSubMax = 8;
+static_assert(kEdnSub <= kEdnSubMax, "edn sub-tiles");
+
+/* y for columns [tile * 8, tile * 8 + 8) of every row: world 1 rounds the
+ * expert and shared outputs (SPEC rounding points) and y once; world > 1
+ * pushes the rank's unrounded partial. */
+__device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile) {
+    for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
+        int t = i / kTile, n = tile * kTile + i % kTile;
+        float acc = 0.0f;
+        const float sv = a.Is ? __ldcg(a.sh_out + (size_t)t * a.H + n) : 0.0f;
+        if (a.slots[t] >= 0) {
+            /* every slot's loads in flight at once, summed in slot order */
+            float ev[kMaxTopE], wv[kMaxTopE];
+#pragma unroll
+            for (int s = 0; s < kMaxTopE; s++) {
+                int m = t * a.K + s;
+                ev[s] = s < a.K ? __ldcg(a.eout + (size_t)m * a.H + n) : 0.0f;
+                wv[s] = s < a.K ? __ldcg(a.rw + m) : 0.0f;
+            }
+#pragma unroll
+            for (int s = 0; s < kMaxTopE; s++)
+                if (s < a.K)
+                    acc += wv[s] * (a.world == 1 ? m3_round_bf(ev[s]) : ev[s]);
+        }
+        float y = a.scaling * acc;
+        if (a.Is)
+            y += a.world == 1 ? m3_round_bf(sv) : sv;
+        if (a.world == 1)
+            a.hidden[(size_t)t * a.H + n] = m3_to_bf(y);
+        else
+            ll_push(a, 1, t, n, y, ctl.tag_f);
+    }
+}
+
+/* One contribution (the shared expert or one routed expert) to output
+ * tile `tile` is complete; the last of n_uniq + shared combines it. */
+__device__ void combine_arrive(const MonoArgs &a, Ctl &ctl, int tile, bool faulted) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        unsigned old = atomicAdd(&a.ctr[a.o_comb + tile], 1u);
+        __threadfence();
+        while (ld_acquire(&a.ctr[C_PLAN]) < 1u)
+            __nanosleep(64);
+        unsigned total = (unsigned)__ldcg(a.n_uniq) + (a.Is ? 1u : 0u);
+        ctl.flag = old + 1u == total;
+    }
+    __syncthreads();
+    if (ctl.flag && !faulted)
+        combine_tile(a, ctl, tile);
+}
+
+/* combine_arrive for tiles [tile0, tile0 + n) at once (n <= kEdnSubMax):
+ * one fence for all of them. */
+__device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, bool faulted) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        /* the plan is published (routed down items exist only after it) */
+        while (ld_acquire(&a.ctr[C_PLAN]) < 1u)
+            __nanosleep(64);
+        const unsigned total = (unsigned)__ldcg(a.n_uniq) + (a.Is ? 1u : 0u);
+        __threadfence();
+        int mask = 0;
+        for (int j = 0; j < n; j++)
+            mask |= (atomicAdd(&a.ctr[a.o_comb + tile0 + j], 1u) + 1u == total) << j;
+        __threadfence();
+        ctl.flag = mask;
+    }
+    __syncthreads();
+    const int mask = ctl.flag;
+    if (!faulted)
+        for (int j = 0; j < n; j++)
+            if (mask & (1 << j))
+                combine_tile(a, ctl, tile0 + j);
+}
+
+template <int NR>
+__device__ void shgu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
+                          bool faulted) {
+    const int tile = item / a.s_shgu, slice = item % a.s_shgu;
+    int k0, k1;
+    k_slice(a.H, a.s_shgu, slice, &k0, &k1);
+    if (!faulted) {
+        prefetch_rows(wrow_of(a.shg), (int64_t)tile * 4, 4, a.Is, k0, pf_end(k0, k1), 0);
+        prefetch_rows(wrow_of(a.shu), (int64_t)tile * 4, 4, a.Is, k0, pf_end(k0, k1), 4);
+    }
+    wait_count(&a.ctr[C_NORM2], (unsigned)a.T);
+    set_rows(ctl, a.x2, a.H, a.T);
+    const int warp = threadIdx.x >> 5;
+    /* warps 0-1: gate rows tile*4 .. +3, warps 2-3: the same up rows */
+    const WMat &m = warp < 2 ? a.shg : a.shu;
+    float acc[kRW][NR];
+    gemv_rows<NR>(acc, wrow_of(m), tile * 4 + (warp & 1) * kRW, a.Is, k0, k1, ctl.rowp, a.T,
+                  reinterpret_cast<uint16_t *>(dsm), faulted);
+    if (!split_reduce<NR>(acc, a.s_shgu, slice, tile, a.part_shgu, a.ctr + a.o_shgu, ctl))
+        return;
+    for (int i = threadIdx.x; i < 4 * a.T; i += kThreads) {
+        int j = i / a.T, t = i % a.T;
+        float v = m3_swiglu_oai(m3_round_bf(ctl.fin[j][t]), m3_round_bf(ctl.fin[4 + j][t]),
+                                a.alpha, a.limit);
+        a.sh_act[(size_t)t * a.Is + tile * 4 + j] = m3_to_bf(v);
+    }
+    signal_count(&a.ctr[C_SHGU]);
+}
+
+template <int NR>
+__device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
+                          bool faulted) {
+    const int tile = item / a.s_shdn, slice = item % a.s_shdn;
+    int k0, k1;
+    k_slice(a.Is, a.s_shdn, slice, &k0, &k1);
+    if (!faulted)
+        prefetch_rows(wrow_of(a.shd), (int64_t)tile * kTile, kTile, a.H, k0, pf_end(k0, k1));
+    wait_count(&a.ctr[C_SHGU], (unsigned)(a.Is / 4));
+    set_rows(ctl, a.sh_act, a.Is, a.T);
+    const int warp = threadIdx.x >> 5;
+    float acc[kRW][NR];
+    gemv_rows<NR>(acc, wrow_of(a.shd), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp, a.T,
+                  reinterpret_cast<uint16_t *>(dsm), faulted);
+    if (!split_reduce<NR>(acc, a.s_shdn, slice, tile, a.part_shdn, a.ctr + a.o_shdn, ctl))
+        return;
+    for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
+        int r = i / a.T, t = i % a.T;
+        a.sh_out[(size_t)t * a.H + tile * kTile + r] = ctl.fin[r][t];
+    }
+    combine_arrive(a, ctl, tile, faulted);
+}
+
+/* Routed gate + up + SwiGLU of slot u's expert, neurons [tile*4, tile*4+4),
+ * its members ENR at a time (their x rows gathered). */
+template <int ENR>
+__device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
+                         bool faulted) {
+    const int tiles = a.I / 4, u = item / tiles, tile = item % tiles;
+    const int warp = threadIdx.x >> 5;
+    if (!faulted) {
+        const int e = __ldcg(a.uniq + u), f0 = __ldcg(a.ufirst + u), f1 = __ldcg(a.ufirst + u + 1);
+        prefetch_rows(wrow_expert(a.eg, e), (int64_t)tile * 4, 4, a.I, 0, pf_end(0, a.H), 0);
+        prefetch_rows(wrow_expert(a.eu, e), (int64_t)tile * 4, 4, a.I, 0, pf_end(0, a.H), 4);
+        const WRow W = wrow_expert(warp < 2 ? a.eg : a.eu, e);
+        const int64_t n0 = tile * 4 + (warp & 1) * kRW;
+        for (int g0 = f0; g0 < f1; g0 += ENR) {
+            const int rows = min(ENR, f1 - g0);
+            if ((int)threadIdx.x < rows) {
+                int m = __ldcg(a.members + g0 + threadIdx.x);
+                ctl.mem[threadIdx.x] = m;
+                ctl.rowp[threadIdx.x] = a.x2 + (size_t)(m / a.K) * a.H;
+            }
+            float acc[kRW][ENR];
+            gemv_rows<ENR>(acc, W, n0, a.I, 0, a.H, ctl.rowp, rows,
+                           reinterpret_cast<uint16_t *>(dsm), false);
+            acc_to_fin<ENR>(acc, ctl);
+            for (int i = threadIdx.x; i < 4 * rows; i += kThreads) {
+                int j = i / rows, t = i % rows;
+                float v = m3_swiglu_oai(m3_round_bf(ctl.fin[j][t]), m3_round_bf(ctl.fin[4 + j][t]),
+                                        a.alpha, a.limit);
+                a.act[(size_t)ctl.mem[t] * a.I + tile * 4 + j] = m3_to_bf(v);
+            }
+            __syncthreads(); /* mem / rowp / fin are rewritten by the next group */
+        }
+    }
+    signal_count(&a.ctr[a.o_egu + u]);
+}
+
+/* Routed down of slot u's expert, output columns [tile*8, tile*8 + 8) for
+ * kEdnSub consecutive tiles (fewer, larger items: at 16 rows the 8-column
+ * items numbered n_uniq x H/8, each paying the item overhead for 12 KB):
+ * fp32 (rounded by the combine for world 1, a partial for world > 1). Each
+ * item arrives at its tiles' combine counters once, after all of them. */
+__host__ __device__ __forceinline__ int edn_groups(int H) {
+    return (H / kTile + kEdnSub - 1) / kEdnSub;
+}
+
+template <int ENR>
+__device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
+                         bool faulted) {
+    const int tiles = a.H / kTile, groups = edn_groups(a.H);
+    const int u = item / groups, tile0 = (item % groups) * kEdnSub;
+    const int ntile = min(kEdnSub, tiles - tile0);
+    const int warp = threadIdx.x >> 5;
+    int e = 0, f0 = 0, f1 = 0;
+    if (!faulted) { /* the plan is published: this item exists */
+        e = __ldcg(a.uniq + u);
+        f0 = __ldcg(a.ufirst + u);
+        f1 = __ldcg(a.ufirst + u + 1);
+        prefetch_rows(wrow_expert(a.ed, e), (int64_t)tile0 * kTile, ntile * kTile, a.H, 0,
+                      pf_end(0, a.I));
+    }
+    wait_count(&a.ctr[a.o_egu + u], (unsigned)(a.I / 4));
+    for (int j = 0; j < ntile; j++) {
+        const int tile = tile0 + j;
+        if (!faulted) {
+            const WRow W = wrow_expert(a.ed, e);
+            const int64_t n0 = tile * kTile + warp * kRW;
+            for (int g0 = f0; g0 < f1; g0 += ENR) {
+                const int rows = min(ENR, f1 - g0);
+                if ((int)threadIdx.x < rows) {
+                    int m = __ldcg(a.members + g0 + threadIdx.x);
+                    ctl.mem[threadIdx.x] = m;
+                    ctl.rowp[threadIdx.x] = a.act + (size_t)m * a.I;
+                }
+                float acc[kRW][ENR];
+                gemv_rows<ENR>(acc, W, n0, a.H, 0, a.I, ctl.rowp, rows,
+                               reinterpret_cast<uint16_t *>(dsm), false);
+                acc_to_fin<ENR>(acc, ctl);
+                for (int i = threadIdx.x; i < kTile * rows; i += kThreads) {
+                    int r = i / rows, t = i % rows;
+                    a.eout[(size_t)ctl.mem[t] * a.H + tile * kTile + r] = ctl.fin[r][t];
+                }
+                __syncthreads();
+            }
+        }
+    }
+    combine_arrive_n(a, ctl, tile0, ntile, faulted);
+}
+
+/* world > 1: hidden = bf16(sum over ranks, in rank order, of the FFN
+ * partials) for row t, columns [c*1024, c*1024 + 1024). */
+__device__ void final_item(const MonoArgs &a, const Ctl &ctl, int item, bool faulted) {
+    const int chunks = (a.H + 1023) / 1024, t = item / chunks, c = item % chunks;
+    if (faulted)
+        return;
+    for (int n = c * 1024 + threadIdx.x; n < min(a.H, (c + 1) * 1024); n += kThreads) {
+        float s = 0.0f;
+        for (int src = 0; src < a.world; src++)
+            s += ll_read(a, a.landing + land_idx(a, 1, src, t, n), ctl.tag_f, t, src);
+        a.hidden[(size_t)t * a.H + n] = m3_to_bf(s);
+    }
+}
+
+
+} // namespace m3mono
+
+#endif
