@@ -269,6 +269,11 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
         return st;
     }
     m->P = (cu->sm_count > 0 ? cu->sm_count : 1) * occ;
+    /* performance experiments: M3_MONO_CTAS caps the CTAs per launch (any
+     * count is correct: every dependency points to an earlier item) */
+    const char *cap = getenv("M3_MONO_CTAS");
+    if (cap && atoi(cap) > 0 && atoi(cap) < m->P)
+        m->P = atoi(cap);
     /* K splits as the stock linear op takes them (16-row CTAs; the router's
      * fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;

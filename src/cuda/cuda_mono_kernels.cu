@@ -178,17 +178,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
 namespace m3mono {
 
-/* the names of m3_mono_fault_name (mono/fault.c), for the device printf;
- * tests/gpu/test_cuda_mono.c checks that the two agree */
+/* the names of m3_mono_fault_name, from the same list (mono/fault.h), for
+ * the device printf; tests/gpu/test_cuda_mono.c checks that they agree */
+#define M3_FAULT_CASE_DEV(code, name) \
+    case code:                        \
+        return name;
 __device__ const char *fault_name_dev(int code) {
     switch (code) {
-    case M3_MONO_FAULT_NONE: return "no fault";
-    case M3_MONO_FAULT_SLOT: return "slot out of range";
-    case M3_MONO_FAULT_PAGE: return "block table page out of range";
-    case M3_MONO_FAULT_PEER_WAIT: return "a TP peer did not arrive in time";
-    case M3_MONO_FAULT_ABORTED: return "step aborted";
-    case M3_MONO_FAULT_PLANTED: return "planted fault";
-    default: return "unknown fault";
+        M3_MONO_FAULT_NAMES(M3_FAULT_CASE_DEV)
+    default:
+        return "unknown fault";
     }
 }
 

@@ -3,14 +3,14 @@
  */
 #include "mono/fault.h"
 
+#define M3_FAULT_CASE(code, name) \
+    case code:                    \
+        return name;
+
 const char *m3_mono_fault_name(int code) {
     switch (code) {
-    case M3_MONO_FAULT_NONE: return "no fault";
-    case M3_MONO_FAULT_SLOT: return "slot out of range";
-    case M3_MONO_FAULT_PAGE: return "block table page out of range";
-    case M3_MONO_FAULT_PEER_WAIT: return "a TP peer did not arrive in time";
-    case M3_MONO_FAULT_ABORTED: return "step aborted";
-    case M3_MONO_FAULT_PLANTED: return "planted fault";
-    default: return "unknown fault";
+        M3_MONO_FAULT_NAMES(M3_FAULT_CASE)
+    default:
+        return "unknown fault";
     }
 }

@@ -16,6 +16,16 @@ enum m3_mono_fault {
     M3_MONO_FAULT_PLANTED = 5,   /* tests */
 };
 
+/* Each code's name, for the host's messages and the device's printf alike:
+ * X(code, name). */
+#define M3_MONO_FAULT_NAMES(X)                                  \
+    X(M3_MONO_FAULT_NONE, "no fault")                           \
+    X(M3_MONO_FAULT_SLOT, "slot out of range")                  \
+    X(M3_MONO_FAULT_PAGE, "block table page out of range")      \
+    X(M3_MONO_FAULT_PEER_WAIT, "a TP peer did not arrive in time") \
+    X(M3_MONO_FAULT_ABORTED, "step aborted")                    \
+    X(M3_MONO_FAULT_PLANTED, "planted fault")
+
 #ifdef __cplusplus
 extern "C" {
 #endif
