@@ -8,7 +8,7 @@ median item time. The gaps between kinds are where CTAs waited.
 import sys
 from collections import defaultdict
 
-PRE = ["norm1", "proj", "index"]
+PRE = ["norm1", "proj", "index", "norm1_again"]  # norm1_again: the same norm, warm
 POST = ["select", "attention", "o_proj", "norm2", "router", "shared_gu", "expert_gu",
         "shared_down", "expert_down", "final"]
 
