@@ -177,7 +177,9 @@ typedef struct m3_engine_opts {
     int max_seqs;                /* most live sequences */
     int tp;                      /* tensor-parallel ranks (0 or 1: none); CPU: ranks are threads */
     int64_t tp_timeout_ms;       /* bound on every wait for a peer rank (0: 60 s) */
-    m3_decode_path decode;       /* default auto */
+    m3_decode_path decode;       /* see m3_decode_path */
+    bool indexer_cp;             /* sparse layers select blocks with indexer context
+                                  * parallelism over the TP ranks (SPEC §6); CPU */
     int mono_max_rows;           /* mono: most rows of a fused step (0: 16) */
 } m3_engine_opts;
 

@@ -19,7 +19,7 @@ typedef struct gen_args {
     const char *model, *prompt, *prompt_ids, *dump_logits, *device, *decode;
     int64_t max_tokens, top_k, threads, max_rows, seed, tp;
     double temperature, top_p;
-    bool json, ignore_eos, no_graphs;
+    bool json, ignore_eos, no_graphs, indexer_cp;
 } gen_args;
 
 static void gen_usage(FILE *f) {
@@ -28,7 +28,7 @@ static void gen_usage(FILE *f) {
             "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]\n"
             "                   [--seed S] [--dump-logits FILE.npy] [--json] [--threads N]\n"
             "                   [--device cpu|cuda] [--no-graphs] [--max-rows N] [--ignore-eos]\n"
-            "                   [--tp N] [--decode stock|mono|auto]\n"
+            "                   [--tp N] [--decode stock|mono|auto] [--indexer-cp]\n"
             "\n"
             "  --model DIR        checkpoint folder (default: the built-in tiny model)\n"
             "  --prompt TEXT      each UTF-8 byte becomes the token id of its value\n"
@@ -44,6 +44,8 @@ static void gen_usage(FILE *f) {
             "  --max-rows N       rows per step, the prefill chunk (default 256)\n"
             "  --ignore-eos       do not stop at the end-of-sequence token\n"
             "  --tp N             tensor-parallel ranks (cpu: one thread each; default 1)\n"
+            "  --indexer-cp       sparse layers score and select blocks with indexer context\n"
+            "                     parallelism over the TP ranks (cpu; off by default)\n"
             "  --decode P         stock (op by op), mono (fused layers for decode steps) or\n"
             "                     auto (mono where its plan allows); default: auto on the\n"
             "                     cpu, stock on cuda (until the fused kernels beat it)\n");
@@ -64,6 +66,10 @@ static int parse_args(int argc, char **argv, gen_args *a) {
         }
         if (!strcmp(f, "--ignore-eos")) {
             a->ignore_eos = true;
+            continue;
+        }
+        if (!strcmp(f, "--indexer-cp")) {
+            a->indexer_cp = true;
             continue;
         }
         if (!strcmp(f, "--no-graphs")) {
@@ -234,6 +240,7 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
         eo.max_rows = (int)a->max_rows;
         eo.max_seqs = 1;
         eo.tp = (int)a->tp;
+        eo.indexer_cp = a->indexer_cp;
         eo.decode = !a->decode                   ? M3_DECODE_DEFAULT
                     : !strcmp(a->decode, "stock") ? M3_DECODE_STOCK
                     : !strcmp(a->decode, "mono")  ? M3_DECODE_MONO

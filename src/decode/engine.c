@@ -233,6 +233,10 @@ static m3_status create_rank(m3_model *model, const m3_engine_opts *opts, int ra
          * one captured step serves every context length and eager steps
          * launch exactly the kernels a replay would (bit-identical) */
         e->stable_width = e->be->ops->graph_begin != NULL;
+        /* indexer CP sizes its work by the capture-stable context bound:
+         * block tables as wide as the context allows */
+        if (e->opts.indexer_cp)
+            e->stable_width = true;
     }
     if (!st && !comm)
         st = m3_comm_create_single(&e->comm);
@@ -299,6 +303,12 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
         return m3_fail(M3_ERR_INVALID_ARG, "decode path %d is not default, auto, stock or mono",
                        (int)o.decode);
     m3_status st = m3_tp_check(&model->cfg, tp);
+    if (!st && o.indexer_cp && o.device == M3_DEVICE_CUDA)
+        st = m3_fail(M3_ERR_UNSUPPORTED, "--indexer-cp with --device cuda: the CUDA kernels of "
+                     "indexer context parallelism are not built yet (it runs on the cpu)");
+    if (!st && o.indexer_cp && tp > model->cfg.num_kv_heads)
+        st = m3_fail(M3_ERR_UNSUPPORTED, "--indexer-cp with tp = %d: each rank must own its own "
+                     "index head, and the model has %d", tp, model->cfg.num_kv_heads);
     if (!st && tp > 1 && o.device == M3_DEVICE_CUDA)
         st = m3_fail(M3_ERR_UNSUPPORTED, "--tp %d with --device cuda: tensor parallelism over "
                      "GPUs is not built yet (TP runs on the CPU backend)", tp);

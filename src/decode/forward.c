@@ -12,6 +12,7 @@
 #include "core/status.h"
 #include "decode/engine.h"
 #include "mono/mono.h"
+#include "cp/cp_layer.h"
 
 /* TP: out = bf16(sum over ranks of s->partial [T, H]), summed in rank order
  * so every rank holds the same bits. The CPU's partials are fp64 (rounded
@@ -64,9 +65,13 @@ m3_status m3_stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) 
                                   st->dev.positions, &rope));
         M3_TRY(op->cache_write(be, T, st->dev.slots, 1, Di, s->ik, Di, cl->index));
         float scale = (float)(1.0 / sqrt((double)Di) * 1.4426950408889634);
-        M3_TRY(op->index_scores(be, st, Ni, Di, s->iq, cl->index, scale, s->scores));
         m3_select_params sp = {c->topk_blocks, c->init_blocks, c->local_blocks};
-        M3_TRY(op->select_blocks(be, st, Ni, s->scores, &sp, s->selected));
+        if (eng->opts.indexer_cp && m3_cp_step_ok(st)) {
+            M3_TRY(m3_cp_layer_select(eng, st, cl->index, scale, &sp));
+        } else {
+            M3_TRY(op->index_scores(be, st, Ni, Di, s->iq, cl->index, scale, s->scores));
+            M3_TRY(op->select_blocks(be, st, Ni, s->scores, &sp, s->selected));
+        }
         selected = s->selected;
     }
     /* 5. attention (dense, or over the selected blocks) */

@@ -1243,6 +1243,12 @@ def gen_tp_does_not_divide():
 
 
 @case
+def gen_indexer_cp_on_cuda():
+    expect_fail(gen_args(GOOD, "--indexer-cp", "--device", "cuda"), ["--indexer-cp", "cuda"],
+                rc=1)
+
+
+@case
 def gen_tp_on_cuda_not_built():
     expect_fail(gen_args(GOOD, "--tp", "2", "--device", "cuda"), ["--tp 2", "cuda"], rc=1)
 

@@ -16,7 +16,11 @@ chunks. Checked against `--tp 1`:
 - every rank count gives bit-identical logits from run to run (the sums run in
   rank order, never in arrival order);
 - a rank count that does not divide the model is refused with a message
-  naming the dimension, before anything runs.
+  naming the dimension, before anything runs;
+- `--indexer-cp` (indexer context parallelism, SPEC §6: every rank scores
+  the blocks it owns, the local top-k keys are all-gathered and merged) at
+  TP 1 and 2 gives the same bits as plain TP 1, and is refused where a rank
+  would not own an index head.
 
 Run by ctest as: test_tp.py --m3 build/m3 --work DIR
 """
@@ -60,28 +64,37 @@ def run(cmd, expect_ok=True):
     return res
 
 
-def generate(m3, model, prompt, tp, path):
+def generate(m3, model, prompt, tp, path, extra=()):
     res = run([m3, "generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
                "--max-tokens", str(N_GEN), "--ignore-eos", "--json", "--max-rows", "256",
-               "--threads", "2", "--tp", str(tp), "--decode", "stock", "--dump-logits", path])
+               "--threads", "2", "--tp", str(tp), "--decode", "stock", "--dump-logits", path,
+               *extra])
     return json.loads(res.stdout)["tokens"], np.load(path)
 
 
-def check_model(m3, work, name, model, vocab, tps):
+def check_model(m3, work, name, model, vocab, tps, cp_tps=()):
     rng = random.Random(name)
     prompt = [rng.randrange(vocab) for _ in range(N_PROMPT)]
     ref_tokens, ref = generate(m3, model, prompt, 1, os.path.join(work, name + "_tp1.npy"))
-    for tp in tps:
-        tokens, logits = generate(m3, model, prompt, tp, os.path.join(work, "%s_tp%d.npy" % (name, tp)))
+    # (tp, extra flags): plain TP, then indexer context parallelism (SPEC §6:
+    # the merged block selection equals the single-rank one bit for bit)
+    runs = [(tp, ()) for tp in tps] + [(tp, ("--indexer-cp",)) for tp in cp_tps]
+    for tp, extra in runs:
+        tokens, logits = generate(m3, model, prompt, tp,
+                                  os.path.join(work, "%s_tp%d%s.npy" % (name, tp, "cp" if extra else "")),
+                                  extra)
         err = np.linalg.norm(logits - ref, axis=1) / np.linalg.norm(ref, axis=1)
-        print("%s tp %d: max relative L2 of logits %.2e, tokens %s" %
-              (name, tp, err.max(), "equal" if tokens == ref_tokens else "DIFFER"))
+        print("%s tp %d%s: max relative L2 of logits %.2e, tokens %s" %
+              (name, tp, " --indexer-cp" if extra else "", err.max(),
+               "equal" if tokens == ref_tokens else "DIFFER"))
         if not np.all(np.isfinite(logits)):
             sys.exit("FAILED: %s tp %d: non-finite logits" % (name, tp))
         if tokens != ref_tokens:
             sys.exit("FAILED: %s tp %d: tokens %s != tp 1 %s" % (name, tp, tokens, ref_tokens))
         if err.max() > REL_BOUND:
             sys.exit("FAILED: %s tp %d: relative L2 %.3e > %.0e" % (name, tp, err.max(), REL_BOUND))
+        if extra:
+            continue
         again_tokens, again = generate(m3, model, prompt, tp, os.path.join(work, "again.npy"))
         if again_tokens != tokens or not np.array_equal(again.view(np.uint32), logits.view(np.uint32)):
             sys.exit("FAILED: %s tp %d: a second run differs bitwise" % (name, tp))
@@ -94,6 +107,15 @@ def check_refused(m3, model, tp, words):
         sys.exit("FAILED: --tp %d: expected a refusal naming %s, got rc %d: %s" %
                  (tp, words, res.returncode, res.stderr))
     print("--tp %d refused: %s" % (tp, res.stderr.strip().splitlines()[-1]))
+
+
+def check_refused_cp(m3, model):
+    """--indexer-cp needs each rank to own an index head (tiny has 2)."""
+    res = run([m3, "generate", "--model", model, "--prompt-ids", "1,2,3", "--tp", "4",
+               "--indexer-cp"], expect_ok=False)
+    if res.returncode == 0 or "--indexer-cp with tp = 4" not in res.stderr:
+        sys.exit("FAILED: --tp 4 --indexer-cp on tiny: rc %d: %s" % (res.returncode, res.stderr))
+    print("--tp 4 --indexer-cp refused: %s" % res.stderr.strip().splitlines()[-1])
 
 
 def main():
@@ -117,14 +139,15 @@ def main():
     models["flat"] = os.path.join(a.work, "flat")
     run([m3, "synth", "--config", flat_cfg, "--seed", "14", "--out", models["flat"]])
 
-    check_model(m3, a.work, "tiny", models["tiny"], 512, [2, 4])
+    check_model(m3, a.work, "tiny", models["tiny"], 512, [2, 4], cp_tps=[1, 2])
     check_model(m3, a.work, "tiny_mxfp8", models["tiny_mxfp8"], 512, [2, 4])
     if not a.quick:
         check_model(m3, a.work, "small3", models["small3"], 8192, [2, 4])
-    check_model(m3, a.work, "flat", models["flat"], 300, [2])
+    check_model(m3, a.work, "flat", models["flat"], 300, [2], cp_tps=[2])
     check_refused(m3, models["flat"], 3, ["tp = 3", "num_key_value_heads = 2"])
     check_refused(m3, models["flat"], 4, ["tp = 4", "num_attention_heads = 6"])
     check_refused(m3, models["flat"], 5, ["tp = 5"])
+    check_refused_cp(m3, models["tiny"])
     check_refused(m3, models["tiny_mxfp8"], 8, ["tp = 8"])
     print("ok")
 
