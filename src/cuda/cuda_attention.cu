@@ -46,6 +46,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cuda/cuda_async.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/cuda_internal.h"
 
@@ -137,27 +138,6 @@ static int ctas_per_sm(K kernel, int threads, size_t smem) {
 
 /* ------------------------------------------------------------ PTX helpers */
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* 16 bytes global -> shared, bypassing L1; with fill false the 16 bytes are
- * zeroed and nothing is read. */
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool fill) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-                 "r"(fill ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -201,73 +181,6 @@ __host__ __device__ __forceinline__ int idx_row_bytes(int dim) { return dim * 2 
 
 static size_t idx_smem(int heads, int dim) {
     return (size_t)heads * dim * sizeof(double) + 2 * (size_t)M3_PAGE * idx_row_bytes(dim);
-}
-
-/* The CPU's running max folded over two consecutive runs of positions:
- * `later` replaces `earlier` only if strictly greater or NaN, and a NaN
- * stays. Keeps the first maximal value (so -0 vs +0 matches the CPU too). */
-__device__ __forceinline__ float first_max(float earlier, float later) {
-    if (isnan(earlier))
-        return earlier;
-    return (isnan(later) || later > earlier) ? later : earlier;
-}
-
-/* first_max over the warp's lanes in lane (= position) order */
-__device__ __forceinline__ float warp_first_max(float v) {
-    int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        float other = __shfl_xor_sync(kFull, v, o);
-        v = (lane & o) ? first_max(other, v) : first_max(v, other);
-    }
-    return v;
-}
-
-/* Dots of one key row (bf16, shared) with HB queries (fp64, shared) as
- * m3_dot_f32 forms them: element i goes to accumulator i % 8 in order,
- * then the tail 4, 2, 1 apart, then one rounding to fp32. Products of fp32
- * values are exact in fp64, so each fma equals the CPU's multiply-then-add
- * and the sums round identically. (Building the doubles from the bf16 bits
- * with integer ops instead of F2F measured slower: more issue slots.) */
-template <int HB>
-__device__ __forceinline__ void idx_dots(const unsigned char *krow, const double *q, int dim,
-                                         float (&d)[HB]) {
-    double acc[HB][8];
-#pragma unroll
-    for (int h = 0; h < HB; h++)
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            acc[h][j] = 0.0;
-#pragma unroll 2
-    for (int c = 0; c < dim / 8; c++) {
-        uint4 raw = *reinterpret_cast<const uint4 *>(krow + c * 16);
-        uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-        double k[8];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            k[2 * i] = (double)__uint_as_float(w[i] << 16);
-            k[2 * i + 1] = (double)__uint_as_float(w[i] & 0xffff0000u);
-        }
-#pragma unroll
-        for (int h = 0; h < HB; h++) {
-            const double2 *qq = reinterpret_cast<const double2 *>(q + h * dim + c * 8);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                double2 qv = qq[i];
-                acc[h][2 * i] = __fma_rn(qv.x, k[2 * i], acc[h][2 * i]);
-                acc[h][2 * i + 1] = __fma_rn(qv.y, k[2 * i + 1], acc[h][2 * i + 1]);
-            }
-        }
-    }
-#pragma unroll
-    for (int h = 0; h < HB; h++) {
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            acc[h][j] = __dadd_rn(acc[h][j], acc[h][j + 4]);
-        acc[h][0] = __dadd_rn(acc[h][0], acc[h][2]);
-        acc[h][1] = __dadd_rn(acc[h][1], acc[h][3]);
-        d[h] = __double2float_rn(__dadd_rn(acc[h][0], acc[h][1]));
-    }
 }
 
 /* Scores of block b for heads [h0, h0 + HB): every thread its position's
@@ -1036,7 +949,6 @@ static m3_status attn_run(m3_cuda *cu, AttnArgs a, int rows, bool sparse, int ma
 }
 
 } // namespace
-
 
 /* ============================================================ entry points */
 

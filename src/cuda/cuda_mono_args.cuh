@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda/cuda_async.cuh"
 #include "cuda/cuda_gemv.cuh"
 #include "cuda/cuda_internal.h"
 extern "C" {

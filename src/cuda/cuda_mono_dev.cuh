@@ -522,29 +522,6 @@ __device__ __forceinline__ void set_rows(Ctl &ctl, const uint16_t *base, int64_t
 
 /* ================================================================ norms */
 
-/* ================================================================ cp.async */
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool fill) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-                 "r"(fill ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-/* ================================================================ norms */
-
 /* One row: with add, residual = bf16(add + residual) (the addend: the bf16
  * row addp, or add8 giving 8 values of it when addp is null); out =
  * bf16(gemma_norm(residual) * (1 + w)). The stock add_rmsnorm arithmetic
@@ -677,7 +654,6 @@ __device__ void norm_row(const MonoArgs &a, Ctl &ctl, uint16_t *res, bool has_ad
         }
     }
 }
-
 
 } // namespace m3mono
 

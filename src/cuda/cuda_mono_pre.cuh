@@ -153,65 +153,6 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
 /* ---------------------------------------------------------------- index scores
  * (cuda_attention.cu index_scores_kernel, one (row, slice) per item) */
 
-
-__device__ __forceinline__ float first_max(float earlier, float later) {
-    if (isnan(earlier))
-        return earlier;
-    return (isnan(later) || later > earlier) ? later : earlier;
-}
-
-__device__ __forceinline__ float warp_first_max(float v) {
-    int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        float other = __shfl_xor_sync(kFull, v, o);
-        v = (lane & o) ? first_max(other, v) : first_max(v, other);
-    }
-    return v;
-}
-
-/* m3_dot_f32's order in fp64 (see cuda_attention.cu idx_dots) */
-template <int HB>
-__device__ __forceinline__ void idx_dots(const unsigned char *krow, const double *q,
-                                         float (&d)[HB]) {
-    double acc[HB][8];
-#pragma unroll
-    for (int h = 0; h < HB; h++)
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            acc[h][j] = 0.0;
-#pragma unroll 2
-    for (int c = 0; c < kHD / 8; c++) {
-        uint4 raw = *reinterpret_cast<const uint4 *>(krow + c * 16);
-        uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-        double k[8];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            k[2 * i] = (double)__uint_as_float(w[i] << 16);
-            k[2 * i + 1] = (double)__uint_as_float(w[i] & 0xffff0000u);
-        }
-#pragma unroll
-        for (int h = 0; h < HB; h++) {
-            const double2 *qq = reinterpret_cast<const double2 *>(q + h * kHD + c * 8);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                double2 qv = qq[i];
-                acc[h][2 * i] = __fma_rn(qv.x, k[2 * i], acc[h][2 * i]);
-                acc[h][2 * i + 1] = __fma_rn(qv.y, k[2 * i + 1], acc[h][2 * i + 1]);
-            }
-        }
-    }
-#pragma unroll
-    for (int h = 0; h < HB; h++) {
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            acc[h][j] = __dadd_rn(acc[h][j], acc[h][j + 4]);
-        acc[h][0] = __dadd_rn(acc[h][0], acc[h][2]);
-        acc[h][1] = __dadd_rn(acc[h][1], acc[h][3]);
-        d[h] = __double2float_rn(__dadd_rn(acc[h][0], acc[h][1]));
-    }
-}
-
 template <int HB>
 __device__ void idx_pass(const MonoArgs &a, Ctl &ctl, const unsigned char *tile,
                          const double *qd, int h0, int count, int b, float *out_row) {
@@ -219,7 +160,7 @@ __device__ void idx_pass(const MonoArgs &a, Ctl &ctl, const unsigned char *tile,
     const double *q = qd + (size_t)h0 * kHD;
     float d[HB];
     if ((int)threadIdx.x < count) {
-        idx_dots<HB>(krow, q, d);
+        idx_dots<HB>(krow, q, kHD, d);
     } else {
 #pragma unroll
         for (int h = 0; h < HB; h++)
@@ -329,7 +270,6 @@ __device__ void idx_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
     }
     cp_async_wait<0>();
 }
-
 
 } // namespace m3mono
 
