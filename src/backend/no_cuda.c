@@ -7,6 +7,7 @@
 
 #ifndef M3_HAVE_CUDA
 #include "cuda/cuda_bench.h"
+#include "cuda/cuda_cp.h"
 #include "cuda/cuda_mono.h"
 
 #define NO_CUDA_MSG                                                                        \
@@ -85,6 +86,36 @@ m3_status m3_cuda_mono_trace_start(m3_cuda_mono *m) {
 }
 
 m3_status m3_cuda_mono_trace_write(m3_cuda_mono *m, const char *path) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_cp_check(const m3_cuda_cp_inputs *in, int64_t max_seq_len, int rank, int world,
+                           const m3_select_params *p) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_cp_scores(m3_backend *be, const m3_cuda_cp_inputs *in, int64_t max_seq_len,
+                            int rank, int world, float scale, float *out, int *err) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_cp_local_topk(m3_backend *be, const m3_cuda_cp_inputs *in, int64_t max_seq_len,
+                                int rank, int world, const m3_select_params *p,
+                                const float *scores, uint64_t *keys, int *err) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_cp_merge(m3_backend *be, const uint64_t *gathered, int world, int64_t items,
+                           int topk, int32_t *out) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_cp_error(m3_backend *be, const int *err) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_bench_indexer(m3_backend *be, int batch, int64_t context, int world, int heads,
+                                const m3_select_params *p, int iters, double *us, double *bytes) {
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 #else

@@ -12,6 +12,8 @@
 #include "cli/cli.h"
 #include "core/status.h"
 #include "cuda/cuda_bench.h"
+#include "cp/indexer_cp.h"
+#include "cuda/cuda_cp.h"
 
 static void bench_usage(FILE *f) {
     fprintf(f,
@@ -26,7 +28,13 @@ static void bench_usage(FILE *f) {
             "  --json          print JSON instead of the table\n"
             "\n"
             "       m3 bench linear [--rows 1,2,4,8,16] [--shapes NxK,...] [--iters N]\n"
-            "  the decode GEMV against cuBLAS (default: one m3-tp4-rank layer's shapes)\n");
+            "  the decode GEMV against cuBLAS (default: one m3-tp4-rank layer's shapes)\n"
+            "\n"
+            "       m3 bench indexer [--batch 1,8,32] [--context 32768,131072,1048576]\n"
+            "                        [--world 1,2,4,8] [--heads 4] [--topk 16] [--iters N] [--json]\n"
+            "                        [--target-grid N] [--min-blocks N]  (the chunk rule's constants)\n"
+            "  indexer context parallelism: one rank's block scores + local top-k + merge\n"
+            "  (world > 1 emulated on one GPU by scoring rank 0's share)\n");
 }
 
 /* "1,2,4" -> values; false with a message on a bad list. */
@@ -208,7 +216,114 @@ static int bench_linear(int argc, char **argv) {
     return st ? cli_report("bench", st) : CLI_OK;
 }
 
+/* `m3 bench indexer`: one CP rank's scores + local top-k + merge per
+ * (batch, context, world), against the floor (the index cache bytes the
+ * rank must read / the measured read bandwidth). */
+static int bench_indexer(int argc, char **argv) {
+    int64_t batch[M3_BENCH_MAX_POINTS] = {1, 8, 32}, ctx[M3_BENCH_MAX_POINTS] = {32768, 131072,
+                                                                                1048576};
+    int64_t world[M3_BENCH_MAX_POINTS] = {1, 2, 4, 8}, v;
+    int nb = 3, nc = 3, nw = 4, iters = 20, gpu = 0, heads = 4;
+    int target_grid = M3_CP_SCORE_TARGET_GRID, min_blocks = M3_CP_SCORE_MIN_BLOCKS;
+    m3_select_params p = {16, 0, 1}; /* the m3 preset's selection */
+    bool json = false;
+    for (int i = 2; i < argc; i++) {
+        const char *f = argv[i];
+        if (!strcmp(f, "--json")) {
+            json = true;
+            continue;
+        }
+        const char *val = cli_value(argc, argv, &i);
+        if (!val)
+            return CLI_USAGE;
+        if (!strcmp(f, "--batch")) {
+            if (!parse_list(f, val, 1, 1024, batch, &nb))
+                return CLI_USAGE;
+        } else if (!strcmp(f, "--context")) {
+            if (!parse_list(f, val, 1, INT32_MAX, ctx, &nc))
+                return CLI_USAGE;
+        } else if (!strcmp(f, "--world")) {
+            if (!parse_list(f, val, 1, 64, world, &nw))
+                return CLI_USAGE;
+        } else if (!strcmp(f, "--target-grid") || !strcmp(f, "--min-blocks")) {
+            if (!cli_int(f, val, 1, 1 << 20, &v))
+                return CLI_USAGE;
+            *(!strcmp(f, "--target-grid") ? &target_grid : &min_blocks) = (int)v;
+        } else if (!strcmp(f, "--iters") || !strcmp(f, "--gpu") || !strcmp(f, "--heads") ||
+                   !strcmp(f, "--topk")) {
+            if (!cli_int(f, val, !strcmp(f, "--gpu") ? 0 : 1, 100000, &v))
+                return CLI_USAGE;
+            if (!strcmp(f, "--iters"))
+                iters = (int)v;
+            else if (!strcmp(f, "--gpu"))
+                gpu = (int)v;
+            else if (!strcmp(f, "--heads"))
+                heads = (int)v;
+            else
+                p.topk = (int)v;
+        } else {
+            fprintf(stderr, "m3 bench: unknown option '%s'\n", f);
+            return CLI_USAGE;
+        }
+    }
+    m3_status st = m3_cp_set_chunk_rule(target_grid, min_blocks);
+    if (st)
+        return cli_report("bench", st);
+    m3_backend *be = NULL;
+    st = m3_cuda_backend_create(gpu, &be);
+    if (st)
+        return cli_report("bench", st);
+    double gbps = 0;
+    st = m3_cuda_read_bandwidth(be, (size_t)2 << 30, 20, &gbps);
+    if (!st && json)
+        printf("{\"read_gb_per_s\": %.1f, \"heads\": %d, \"topk\": %d, \"points\": [", gbps, heads,
+               p.topk);
+    else if (!st)
+        printf("read bandwidth %.0f GB/s, %d index heads, top-%d, chunk rule: target grid %d, "
+               "min blocks %d\n\n"
+               "| batch | context | world | MB read | floor us | us | x floor | world-1 us / us |\n"
+               "|---|---|---|---|---|---|---|---|\n",
+               gbps, heads, p.topk, target_grid, min_blocks);
+    int n = 0;
+    for (int b = 0; b < nb && !st; b++)
+        for (int c = 0; c < nc && !st; c++) {
+            double us1 = 0;
+            for (int w = 0; w < nw && !st; w++) {
+                double us = 0, bytes = 0;
+                fprintf(stderr, "m3 bench indexer: batch %lld context %lld world %lld\n",
+                        (long long)batch[b], (long long)ctx[c], (long long)world[w]);
+                st = m3_cuda_bench_indexer(be, (int)batch[b], ctx[c], (int)world[w], heads, &p,
+                                           iters, &us, &bytes);
+                if (st)
+                    break;
+                const double floor_us = bytes / (gbps * 1e3);
+                if (world[w] == 1)
+                    us1 = us;
+                if (json)
+                    printf("%s\n  {\"batch\": %lld, \"context\": %lld, \"world\": %lld, "
+                           "\"bytes\": %.0f, \"floor_us\": %.2f, \"us\": %.2f}",
+                           n ? "," : "", (long long)batch[b], (long long)ctx[c],
+                           (long long)world[w], bytes, floor_us, us);
+                else if (us1 > 0)
+                    printf("| %lld | %lld | %lld | %.1f | %.1f | %.1f | %.2f | %.2f |\n",
+                           (long long)batch[b], (long long)ctx[c], (long long)world[w], bytes / 1e6,
+                           floor_us, us, us / floor_us, us1 / us);
+                else
+                    printf("| %lld | %lld | %lld | %.1f | %.1f | %.1f | %.2f | |\n",
+                           (long long)batch[b], (long long)ctx[c], (long long)world[w], bytes / 1e6,
+                           floor_us, us, us / floor_us);
+                n++;
+            }
+        }
+    if (!st && json)
+        printf("\n]}\n");
+    be->ops->destroy(be);
+    return st ? cli_report("bench", st) : CLI_OK;
+}
+
 int cmd_bench(int argc, char **argv) {
+    if (argc >= 2 && !strcmp(argv[1], "indexer"))
+        return bench_indexer(argc, argv);
     if (argc >= 2 && !strcmp(argv[1], "linear"))
         return bench_linear(argc, argv);
     if (argc < 2 || strcmp(argv[1], "layer")) {
@@ -216,7 +331,7 @@ int cmd_bench(int argc, char **argv) {
             bench_usage(stdout);
             return CLI_OK;
         }
-        fprintf(stderr, "m3 bench: expected 'layer' or 'linear'\n");
+        fprintf(stderr, "m3 bench: expected 'layer', 'linear' or 'indexer'\n");
         bench_usage(stderr);
         return CLI_USAGE;
     }

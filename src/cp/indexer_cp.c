@@ -39,17 +39,29 @@ int64_t m3_cp_local_blocks(int64_t max_seq_len, int world) {
     return world > 0 ? cdiv64(m3_cp_global_blocks(max_seq_len), world) : 0;
 }
 
+/* the rule's constants in use (m3_cp_set_chunk_rule: tuning runs only) */
+static int g_target_grid = M3_CP_SCORE_TARGET_GRID, g_min_blocks = M3_CP_SCORE_MIN_BLOCKS;
+
+m3_status m3_cp_set_chunk_rule(int target_grid, int min_blocks) {
+    if (target_grid < 1 || min_blocks < 1)
+        return m3_fail(M3_ERR_INVALID_ARG, "CP chunk rule: target grid %d and min blocks %d must be >= 1",
+                       target_grid, min_blocks);
+    g_target_grid = target_grid;
+    g_min_blocks = min_blocks;
+    return M3_OK;
+}
+
 int m3_cp_score_chunks(int64_t batch, int64_t local_blocks) {
     if (local_blocks <= 0)
         return 1;
-    int64_t target = M3_CP_SCORE_TARGET_GRID / (batch > 1 ? batch : 1);
+    int64_t target = g_target_grid / (batch > 1 ? batch : 1);
     if (target < 1)
         target = 1;
     int64_t pow2 = 1;
     while (pow2 * 2 <= target)
         pow2 *= 2;
     int64_t chunks = pow2 < local_blocks ? pow2 : local_blocks;
-    int64_t cap = cdiv64(local_blocks, M3_CP_SCORE_MIN_BLOCKS);
+    int64_t cap = cdiv64(local_blocks, g_min_blocks);
     if (cap < 1)
         cap = 1;
     if (chunks > cap)

@@ -40,12 +40,17 @@
 #define M3_CP_DIM 128   /* index head dim */
 #define M3_CP_HOST (-1) /* device id of host memory */
 
-/* Chunk rule constants (tuned on the GPU later): the score grid is
- * (request, chunk); it aims for about M3_CP_SCORE_TARGET_GRID programs in all,
- * and no chunk scores fewer than M3_CP_SCORE_MIN_BLOCKS local blocks unless
- * the shard itself is smaller. */
-#define M3_CP_SCORE_TARGET_GRID 1024
-#define M3_CP_SCORE_MIN_BLOCKS 16
+/* Chunk rule constants: the score grid is (request, chunk); it aims for
+ * about M3_CP_SCORE_TARGET_GRID programs in all, and no chunk scores fewer
+ * than M3_CP_SCORE_MIN_BLOCKS local blocks unless the shard itself is
+ * smaller. Tuned on the H200 (docs/PERF.md, `m3 bench indexer
+ * --target-grid --min-blocks`): a score program is latency-bound per block
+ * (a 32 KiB page copy, then fp64 dots in the CPU's order), so small shards
+ * want many short programs (1024 / 16 took 76 us at batch 1, 32K, where
+ * 4096 / 2 takes 20 us) and large ones lose nothing to them (4096 / 2 is
+ * 2-8% faster at 1M tokens). */
+#define M3_CP_SCORE_TARGET_GRID 4096
+#define M3_CP_SCORE_MIN_BLOCKS 2
 
 /* The score inputs and the device each lives on (M3_CP_HOST: host memory;
  * this CPU core scores host memory only). */
@@ -66,6 +71,10 @@ int64_t m3_cp_local_blocks(int64_t max_seq_len, int world);
  * the size, ceil(local / ceil(local / chunks)), so no chunk is empty.
  * local_blocks <= 0 gives 1. Pure. */
 int m3_cp_score_chunks(int64_t batch, int64_t local_blocks);
+/* Replace the rule's two constants for the rest of the process (tuning
+ * runs: `m3 bench indexer --target-grid N --min-blocks N`; not thread-safe
+ * against concurrent scoring). Both >= 1. */
+m3_status m3_cp_set_chunk_rule(int target_grid, int min_blocks);
 /* Local blocks one program scores: the next power of two >= ceil(local /
  * chunks) with chunks from m3_cp_score_chunks (rounding up never drops a
  * block: ceil(local / chunk) programs still span the shard). >= 1. */

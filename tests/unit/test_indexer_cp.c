@@ -269,15 +269,23 @@ static void test_chunks(void) {
     CHECK(m3_cp_score_chunks(1, 0) == 1);
     CHECK(m3_cp_score_chunks(7, -3) == 1);
     CHECK(m3_cp_score_chunk_size(7, 0) == 1);
-    /* worked values of the rule (TARGET_GRID 1024, MIN_BLOCKS 16) */
+    /* worked values of the rule (TARGET_GRID 4096, MIN_BLOCKS 2) */
+    CHECK(m3_cp_score_chunks(1, 1000) == 500);
+    CHECK(m3_cp_score_chunk_size(1, 1000) == 2);
+    CHECK(m3_cp_score_chunks(64, 1000) == 63);
+    CHECK(m3_cp_score_chunk_size(64, 1000) == 16);
+    CHECK(m3_cp_score_chunks(2000, 1000) == 2);
+    CHECK(m3_cp_score_chunk_size(2000, 1000) == 512);
+    CHECK(m3_cp_score_chunks(1, 5) == 3);
+    CHECK(m3_cp_score_chunks(0, 64) == 32);
+    /* the tuning override: the old constants' values, then back */
+    CHECK_OK(m3_cp_set_chunk_rule(1024, 16));
     CHECK(m3_cp_score_chunks(1, 1000) == 63);
-    CHECK(m3_cp_score_chunk_size(1, 1000) == 16);
-    CHECK(m3_cp_score_chunks(64, 1000) == 16);
     CHECK(m3_cp_score_chunk_size(64, 1000) == 64);
-    CHECK(m3_cp_score_chunks(2000, 1000) == 1);
-    CHECK(m3_cp_score_chunk_size(2000, 1000) == 1024);
-    CHECK(m3_cp_score_chunks(1, 5) == 1);
-    CHECK(m3_cp_score_chunks(0, 64) == 4);
+    CHECK_FAILS(m3_cp_set_chunk_rule(0, 16), M3_ERR_INVALID_ARG, "target grid 0");
+    CHECK_FAILS(m3_cp_set_chunk_rule(1024, 0), M3_ERR_INVALID_ARG, "min blocks 0");
+    CHECK_OK(m3_cp_set_chunk_rule(M3_CP_SCORE_TARGET_GRID, M3_CP_SCORE_MIN_BLOCKS));
+    CHECK(m3_cp_score_chunks(1, 1000) == 500);
     static const int64_t batches[] = {0, 1, 2, 3, 7, 16, 64, 100, 1000, 5000};
     int bad = 0;
     for (int bi = 0; bi < 10; bi++)
