@@ -45,7 +45,8 @@ static void gen_usage(FILE *f) {
             "  --ignore-eos       do not stop at the end-of-sequence token\n"
             "  --tp N             tensor-parallel ranks (cpu: one thread each; default 1)\n"
             "  --indexer-cp       sparse layers score and select blocks with indexer context\n"
-            "                     parallelism over the TP ranks (cpu; off by default)\n"
+            "                     parallelism over the TP ranks (cpu, stock and mono;\n"
+            "                     off by default)\n"
             "  --decode P         stock (op by op), mono (fused layers for decode steps) or\n"
             "                     auto (mono where its plan allows); default: auto on the\n"
             "                     cpu, stock on cuda (until the fused kernels beat it)\n");

@@ -13,6 +13,7 @@
 
 #include "backend/backend.h"
 #include "decode/step.h"
+#include "dist/comm.h"
 #include "m3.h"
 
 struct m3_engine;
@@ -21,6 +22,26 @@ struct m3_engine;
  * same number of rows (decode: 1, verify: 8, or a single prefill chunk).
  * Other steps select the usual way. */
 bool m3_cp_step_ok(const m3_step *st);
+
+/* One sparse layer's rows as indexer CP takes them: rows = n_reqs x q
+ * (each request's q rows consecutive), host memory. */
+typedef struct m3_cp_rows {
+    int rows, n_reqs, heads, dim; /* heads: this rank's index heads */
+    const uint16_t *iq;           /* bf16 [rows, heads, dim], normed and roped */
+    const void *icache;           /* bf16 [n_pages, 128, dim] */
+    int64_t n_pages;
+    const int32_t *table; /* [n_reqs, table_width] */
+    int table_width;      /* >= ceil(max_seq_len / 128) */
+    const int32_t *lens;  /* [n_reqs] */
+    int64_t max_seq_len;  /* the capture-stable bound, the same on every rank */
+} m3_cp_rows;
+
+/* Every rank of comm calls it: the rows' index queries are all-gathered,
+ * this rank scores every head over its blocks, the keys are all-gathered
+ * and merged; selected [rows, heads, topk] gets this rank's heads. A
+ * failure on one rank aborts the group (no peer hangs). */
+m3_status m3_cp_select_rows(m3_comm *comm, const m3_cp_rows *r, float scale,
+                            const m3_select_params *p, int32_t *selected);
 
 /* Scores and selection of one sparse layer: reads eng->s.iq [T, Ni, Di]
  * (this rank's heads), writes eng->s.selected [T, Ni, topk]. */

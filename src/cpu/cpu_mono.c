@@ -14,6 +14,9 @@
  *             k, v, ik written to the cache at the row's slot
  *   scores    per (row, index head, visible block): the block's score
  *   select    per (row, index head): SPEC §3 selection
+ *             (with indexer CP, one phase on thread 0 instead: the rows'
+ *             index queries and keys gathered over the TP group,
+ *             cp/cp_layer.h, the same selection bit for bit)
  *   attention per (row, query head): sparse attention, rounded
  *   o_proj    per weight row: TP 1 bf16; TP fp64 partial into this rank's
  *             peer slot -> [push, wait] -> sum over ranks, rounded
@@ -59,6 +62,7 @@
 #include "core/bf16.h"
 #include "core/pool.h"
 #include "core/status.h"
+#include "cp/cp_layer.h"
 #include "cpu/cpu.h"
 #include "dist/comm.h"
 
@@ -106,6 +110,9 @@ struct m3_cpu_mono {
     int max_rows, max_blocks, tp_rank;
     m3_cpu_mono_group *group;
     bool tp; /* world > 1 */
+    m3_comm *cp;       /* indexer CP over this group (NULL: off) */
+    int32_t *cp_table; /* [max_rows, max_blocks]: the real rows' block tables */
+    int32_t *cp_lens;  /* [max_rows]: their lengths */
     _Atomic int32_t own_fault[4];
     _Atomic int32_t *fault; /* this rank's word: the group's or own */
     /* dimensions (this rank's shard) */
@@ -330,7 +337,8 @@ static void *alloc64(size_t bytes) {
 }
 
 m3_status m3_cpu_mono_create(m3_backend *be, const m3_config *cfg, int max_rows, int max_blocks,
-                             int tp_rank, m3_cpu_mono_group *group, m3_cpu_mono **out) {
+                             int tp_rank, m3_cpu_mono_group *group, m3_comm *cp,
+                             m3_cpu_mono **out) {
     if (!out)
         return m3_fail(M3_ERR_INVALID_ARG, "m3_cpu_mono_create: out is NULL");
     *out = NULL;
@@ -390,6 +398,7 @@ m3_status m3_cpu_mono_create(m3_backend *be, const m3_config *cfg, int max_rows,
     m->tp_rank = tp_rank;
     m->group = group;
     m->tp = world > 1;
+    m->cp = cp;
     m->cfg = *c;
     for (int i = 0; i < 4; i++)
         atomic_init(&m->own_fault[i], 0);
@@ -437,6 +446,8 @@ m3_status m3_cpu_mono_create(m3_backend *be, const m3_config *cfg, int max_rows,
         {(void **)&m->shf, R * (size_t)(m->Is > 0 ? m->Is : 1) * 4},
         {(void **)&m->eout, R * K * H * 2},
         {(void **)&m->shout, R * H * 2},
+        {(void **)&m->cp_table, R * (size_t)max_blocks * 4},
+        {(void **)&m->cp_lens, R * 4},
     };
     m3_status st = M3_OK;
     for (size_t i = 0; i < sizeof want / sizeof *want && !st; i++) {
@@ -616,6 +627,30 @@ static void ph_select(m3_cpu_mono *m, int th, int nth) {
         m3_select_row(m->scores + item * c->mb, m->nblk[a], &sp, m->sel + item * m->topk,
                       (int32_t *)m->tbuf[th]);
     }
+}
+
+/* 4-5 with indexer CP, thread 0 (every rank's thread 0 meets in the
+ * gathers while the other threads wait at the barrier): the real rows as
+ * one-row requests; a failure (a peer that aborted or did not arrive)
+ * faults the step */
+static void ph_cp(m3_cpu_mono *m, int th, int nth) {
+    (void)nth;
+    if (th != 0)
+        return;
+    const mono_call *c = &m->c;
+    for (int a = 0; a < c->n_act; a++) {
+        int t = m->act[a];
+        m->cp_lens[a] = (int32_t)(c->st->host.positions[t] + 1);
+        memcpy(m->cp_table + (size_t)a * m->max_blocks, row_table(c->st, t),
+               (size_t)m->nblk[a] * sizeof(int32_t));
+    }
+    m3_cp_rows r = {c->n_act, c->n_act, m->Ni, m->Di, m->iq, c->cl->index, c->st->n_pages,
+                    m->cp_table, m->max_blocks, m->cp_lens,
+                    (int64_t)m->max_blocks * M3_PAGE_TOKENS};
+    m3_select_params sp = {m->cfg.topk_blocks, m->cfg.init_blocks, m->cfg.local_blocks};
+    float scale = (float)(1.0 / sqrt((double)m->Di) * 1.4426950408889634);
+    if (c->n_act > 0 && m3_cp_select_rows(m->cp, &r, scale, &sp, m->sel))
+        fault_set(m->fault, M3_MONO_FAULT_ABORTED, c->layer, -1, 0);
 }
 
 /* 6. per (row, query head): attention over the group's selected blocks */
@@ -857,8 +892,12 @@ static void pass(void *ctx, int th, int nth) {
     phase(m, ph_norm, th, nth);
     phase(m, ph_proj, th, nth);
     phase(m, ph_heads, th, nth);
-    phase(m, ph_scores, th, nth);
-    phase(m, ph_select, th, nth);
+    if (m->cp) {
+        phase(m, ph_cp, th, nth);
+    } else {
+        phase(m, ph_scores, th, nth);
+        phase(m, ph_select, th, nth);
+    }
     phase(m, ph_attention, th, nth);
     phase(m, ph_oproj, th, nth);
     if (m->tp) {

@@ -27,6 +27,7 @@
 #include "backend/backend.h"
 #include "cache/cache.h"
 #include "decode/step.h"
+#include "dist/comm.h"
 #include "m3.h"
 #include "model/model.h"
 #include "mono/fault.h"
@@ -41,9 +42,12 @@ void m3_cpu_mono_group_free(m3_cpu_mono_group *g);
 typedef struct m3_cpu_mono m3_cpu_mono;
 
 /* be: this rank's CPU backend (its pool); cfg: the rank's config;
- * max_blocks: block table width (capacity); group: NULL at world 1. */
+ * max_blocks: block table width (capacity); group: NULL at world 1; cp:
+ * the TP group's communicator when the sparse layers select with indexer
+ * context parallelism (NULL: off; every rank passes it or none does). */
 m3_status m3_cpu_mono_create(m3_backend *be, const m3_config *cfg, int max_rows, int max_blocks,
-                             int tp_rank, m3_cpu_mono_group *group, m3_cpu_mono **out);
+                             int tp_rank, m3_cpu_mono_group *group, m3_comm *cp,
+                             m3_cpu_mono **out);
 void m3_cpu_mono_free(m3_cpu_mono *m);
 
 /* One layer (sparse attention + MoE) for the step's rows (st->rows <=

@@ -201,9 +201,9 @@ int m3_mono_model_refusals(const m3_engine *eng, const m3_mono_config *mc, char 
         refuse(buf, size, &n, "tp_size %d but the engine runs %d ranks", mc->tp_size, tp);
     if (tp > 1 && eng->opts.device == M3_DEVICE_CUDA)
         refuse(buf, size, &n, "cuda: TP %d needs the multi-GPU executor", tp);
-    if (eng->opts.indexer_cp)
-        refuse(buf, size, &n, "indexer context parallelism is not built into the fused "
-               "kernels yet");
+    if (eng->opts.indexer_cp && eng->opts.device == M3_DEVICE_CUDA)
+        refuse(buf, size, &n, "cuda: indexer context parallelism is not built into the fused "
+               "kernels (it needs the multi-GPU executor)");
     if (c->block_size != M3_PAGE_TOKENS)
         refuse(buf, size, &n, "sparse block size %d is not the page size %d", c->block_size,
                M3_PAGE_TOKENS);
@@ -249,7 +249,9 @@ m3_status m3_mono_create(m3_engine *eng, const m3_mono_config *cfg, void *group,
         st = cuda ? m3_cuda_mono_create(eng->be, &eng->cfg, eng->max_blocks, eng->tp_rank,
                                         cfg->tp_size, (m3_cuda_mono **)&m->exec)
                   : m3_cpu_mono_create(eng->be, &eng->cfg, cfg->max_rows, eng->max_blocks,
-                                       eng->tp_rank, group, (m3_cpu_mono **)&m->exec);
+                                       eng->tp_rank, group,
+                                       eng->opts.indexer_cp ? eng->comm : NULL,
+                                       (m3_cpu_mono **)&m->exec);
     }
     /* an executor failing on one rank fails them all, like a refusal */
     bool all_ok = agree(eng, st == M3_OK);

@@ -19,8 +19,10 @@ chunks. Checked against `--tp 1`:
   naming the dimension, before anything runs;
 - `--indexer-cp` (indexer context parallelism, SPEC §6: every rank scores
   the blocks it owns, the local top-k keys are all-gathered and merged) at
-  TP 1 and 2 gives the same bits as plain TP 1, and is refused where a rank
-  would not own an index head.
+  TP 1 and 2 gives the same bits as plain TP 1, on the stock path and inside
+  the mono path's CPU executor (`--decode mono --indexer-cp`: the decode
+  steps must run mono), and is refused where a rank would not own an index
+  head.
 
 Run by ctest as: test_tp.py --m3 build/m3 --work DIR
 """
@@ -64,12 +66,17 @@ def run(cmd, expect_ok=True):
     return res
 
 
-def generate(m3, model, prompt, tp, path, extra=()):
+def generate(m3, model, prompt, tp, path, extra=(), stats=None):
+    decode = "mono" if "mono" in extra else "stock"
+    flags = [f for f in extra if f != "mono"]
     res = run([m3, "generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
                "--max-tokens", str(N_GEN), "--ignore-eos", "--json", "--max-rows", "256",
-               "--threads", "2", "--tp", str(tp), "--decode", "stock", "--dump-logits", path,
-               *extra])
-    return json.loads(res.stdout)["tokens"], np.load(path)
+               "--threads", "2", "--tp", str(tp), "--decode", decode, "--dump-logits", path,
+               *flags])
+    out = json.loads(res.stdout)
+    if stats is not None:
+        stats.update(out)
+    return out["tokens"], np.load(path)
 
 
 def check_model(m3, work, name, model, vocab, tps, cp_tps=()):
@@ -78,15 +85,22 @@ def check_model(m3, work, name, model, vocab, tps, cp_tps=()):
     ref_tokens, ref = generate(m3, model, prompt, 1, os.path.join(work, name + "_tp1.npy"))
     # (tp, extra flags): plain TP, then indexer context parallelism (SPEC §6:
     # the merged block selection equals the single-rank one bit for bit)
-    runs = [(tp, ()) for tp in tps] + [(tp, ("--indexer-cp",)) for tp in cp_tps]
+    # ("mono": --decode mono, whose decode steps must all run the mono path)
+    runs = [(tp, ()) for tp in tps] + [(tp, ("--indexer-cp",)) for tp in cp_tps] + \
+        [(tp, ("--indexer-cp", "mono")) for tp in cp_tps]
     for tp, extra in runs:
+        stats = {}
+        tag = "".join("_" + f.strip("-") for f in extra)
         tokens, logits = generate(m3, model, prompt, tp,
-                                  os.path.join(work, "%s_tp%d%s.npy" % (name, tp, "cp" if extra else "")),
-                                  extra)
+                                  os.path.join(work, "%s_tp%d%s.npy" % (name, tp, tag)), extra,
+                                  stats)
         err = np.linalg.norm(logits - ref, axis=1) / np.linalg.norm(ref, axis=1)
-        print("%s tp %d%s: max relative L2 of logits %.2e, tokens %s" %
-              (name, tp, " --indexer-cp" if extra else "", err.max(),
-               "equal" if tokens == ref_tokens else "DIFFER"))
+        print("%s tp %d%s: max relative L2 of logits %.2e, tokens %s, mono steps %d" %
+              (name, tp, " ".join([""] + list(extra)), err.max(),
+               "equal" if tokens == ref_tokens else "DIFFER", stats.get("mono_steps", -1)))
+        if "mono" in extra and stats.get("mono_steps", 0) != N_GEN - 1:
+            sys.exit("FAILED: %s tp %d%s: %s mono steps, wanted %d" %
+                     (name, tp, tag, stats.get("mono_steps"), N_GEN - 1))
         if not np.all(np.isfinite(logits)):
             sys.exit("FAILED: %s tp %d: non-finite logits" % (name, tp))
         if tokens != ref_tokens:

@@ -595,7 +595,7 @@ static bool setup_fixture(fixture *f, model_case *mc, bool with_tp4) {
     for (int x = 0; x < 2; x++) {
         CHECK_OK(m3_cpu_backend_create(g_threads[x], &f->be[x]));
         CHECK_OK(m3_cpu_mono_create(f->be[x], &e1->cfg, MONO_ROWS, e1->max_blocks, 0, NULL,
-                                    &f->mono[x]));
+                                    NULL, &f->mono[x]));
         if (!f->mono[x])
             return false;
     }
@@ -620,7 +620,7 @@ static bool setup_fixture(fixture *f, model_case *mc, bool with_tp4) {
         for (int r = 0; r < tp->tp; r++) {
             m3_engine *er = tp->front->ranks[r];
             CHECK_OK(m3_cpu_mono_create(er->be, &er->cfg, MONO_ROWS, er->max_blocks, r,
-                                        tp->group, &tp->mono[r]));
+                                        tp->group, NULL, &tp->mono[r]));
             if (!tp->mono[r])
                 return false;
         }
@@ -759,7 +759,7 @@ static void test_faults(model_case *mc) {
     int32_t tok[3] = {1, 2, 3};
     m3_request reqs[3] = {{seqs[0], &tok[0], 1}, {seqs[1], &tok[1], 1}, {seqs[2], &tok[2], 1}};
     m3_cpu_mono *m = NULL;
-    CHECK_OK(m3_cpu_mono_create(e->be, &e->cfg, MONO_ROWS, e->max_blocks, 0, NULL, &m));
+    CHECK_OK(m3_cpu_mono_create(e->be, &e->cfg, MONO_ROWS, e->max_blocks, 0, NULL, NULL, &m));
     if (!m)
         goto done;
 
@@ -812,7 +812,7 @@ static void test_faults(model_case *mc) {
                                       5, NULL, res),
                     M3_ERR_INVALID_ARG, "required");
         m3_cpu_mono *small = NULL;
-        CHECK_OK(m3_cpu_mono_create(e->be, &e->cfg, 2, e->max_blocks, 0, NULL, &small));
+        CHECK_OK(m3_cpu_mono_create(e->be, &e->cfg, 2, e->max_blocks, 0, NULL, NULL, &small));
         CHECK_FAILS(m3_cpu_mono_layer(small, &e->step, l, &e->w.layers[l], &e->cache.layers[l],
                                       false, 5, hid, res),
                     M3_ERR_INVALID_ARG, "max_rows = 2");
@@ -823,13 +823,13 @@ static void test_faults(model_case *mc) {
         CHECK_FAILS(m3_cpu_mono_layer(m, &e->step, l, &e->w.layers[l], &e->cache.layers[l],
                                       false, 5, hid, res),
                     M3_ERR_INVALID_ARG, "not decode-only");
-        CHECK_FAILS(m3_cpu_mono_create(e->be, &e->cfg, 65, e->max_blocks, 0, NULL, &small),
+        CHECK_FAILS(m3_cpu_mono_create(e->be, &e->cfg, 65, e->max_blocks, 0, NULL, NULL, &small),
                     M3_ERR_INVALID_ARG, "max_rows 65");
         m3_cpu_mono_group *g = NULL;
         CHECK_FAILS(m3_cpu_mono_group_create(9, 16, &e->cfg, 0, &g), M3_ERR_INVALID_ARG,
                     "world 9");
         CHECK_OK(m3_cpu_mono_group_create(2, 16, &e->cfg, 0, &g));
-        CHECK_FAILS(m3_cpu_mono_create(e->be, &e->cfg, 16, e->max_blocks, 2, g, &small),
+        CHECK_FAILS(m3_cpu_mono_create(e->be, &e->cfg, 16, e->max_blocks, 2, g, NULL, &small),
                     M3_ERR_INVALID_ARG, "TP rank 2 of a group of 2");
         m3_cpu_mono_group_free(g);
         CHECK(fault_code(m, w) == 0); /* errors are not faults */
@@ -844,7 +844,7 @@ static void test_faults(model_case *mc) {
         CHECK_OK(m3_cpu_mono_group_create(2, MONO_ROWS, &f2->ranks[0]->cfg, 200, &g));
         for (int r = 0; r < 2 && g; r++)
             CHECK_OK(m3_cpu_mono_create(f2->ranks[r]->be, &f2->ranks[r]->cfg, MONO_ROWS,
-                                        f2->ranks[r]->max_blocks, r, g, &rm[r]));
+                                        f2->ranks[r]->max_blocks, r, g, NULL, &rm[r]));
         if (!rm[0] || !rm[1]) {
             for (int r = 0; r < 2; r++)
                 m3_cpu_mono_free(rm[r]);
@@ -882,7 +882,7 @@ static void test_faults(model_case *mc) {
         CHECK_OK(m3_cpu_mono_group_create(2, MONO_ROWS, &f2->ranks[0]->cfg, 30000, &g));
         for (int r = 0; r < 2 && g; r++)
             CHECK_OK(m3_cpu_mono_create(f2->ranks[r]->be, &f2->ranks[r]->cfg, MONO_ROWS,
-                                        f2->ranks[r]->max_blocks, r, g, &rm[r]));
+                                        f2->ranks[r]->max_blocks, r, g, NULL, &rm[r]));
         if (rm[0] && rm[1]) {
             memcpy(h0, in_h, n * 2);
             memcpy(r0, in_r, n * 2);

@@ -79,6 +79,15 @@ static void test_refusals(m3_model *model) {
     bad = mc;
     bad.widths[1] = 1; /* not ascending */
     CHECK(m3_mono_model_refusals(e, &bad, why, sizeof why) == 1);
+    /* indexer CP: built into the CPU executor, not into the CUDA kernels
+     * (the options as the CUDA engine would hold them; refusals only read) */
+    e->opts.indexer_cp = true;
+    CHECK(m3_mono_model_refusals(e, &mc, why, sizeof why) == 0);
+    e->opts.device = M3_DEVICE_CUDA;
+    CHECK(m3_mono_model_refusals(e, &mc, why, sizeof why) == 1);
+    CHECK(strstr(why, "indexer context parallelism") != NULL);
+    e->opts.device = M3_DEVICE_CPU;
+    e->opts.indexer_cp = false;
     m3_engine_free(e);
 }
 
