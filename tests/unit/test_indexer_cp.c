@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "test_data.h"
 #include "core/bf16.h"
 #include "core/status.h"
 #include "cp/indexer_cp.h"
@@ -24,22 +25,7 @@
 #define MAX_SEQ 1500 /* 12 global blocks */
 #define PAGES 16
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-static uint32_t rnd(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 32);
-}
-static float rndf(void) { return (float)(rnd() % 2001) / 1000.0f - 1.0f; }
-
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-static bool same_bits(float a, float b) {
-    if (isnan(a) || isnan(b))
-        return isnan(a) && isnan(b);
-    return memcmp(&a, &b, sizeof a) == 0;
-}
 
 /* one data set: queries, index cache, table, lengths */
 typedef struct dataset {
