@@ -34,7 +34,7 @@ import time
 TIMEOUT_S = 60
 BAD_MARKERS = ("Sanitizer", "runtime error", "Segmentation", "Assertion", "core dumped",
                "stack-overflow", "Aborted")
-REPORT_RE = re.compile(r"^m3 (generate|synth): M3_ERR_[A-Z_]+: \S", re.M)
+REPORT_RE = re.compile(r"^m3 (generate|synth|bench): M3_ERR_[A-Z_]+: \S", re.M)
 PREFIX = "language_model.model."
 ST_NAME = "model.safetensors"
 
@@ -1246,6 +1246,30 @@ def gen_tp_does_not_divide():
 def gen_indexer_cp_on_cuda():
     expect_fail(gen_args(GOOD, "--indexer-cp", "--device", "cuda"), ["--indexer-cp", "cuda"],
                 rc=1)
+
+
+@case
+def bench_usage():
+    expect_fail(["bench"], ["expected 'layer', 'linear' or 'indexer'"], rc=2)
+    expect_fail(["bench", "indexer", "--world", "0"], ["--world"], rc=2)
+    expect_fail(["bench", "indexer", "--world", "65"], ["--world"], rc=2)
+    expect_fail(["bench", "indexer", "--batch", "x"], ["--batch"], rc=2)
+    expect_fail(["bench", "indexer", "--min-blocks", "0"], ["--min-blocks"], rc=2)
+    expect_fail(["bench", "indexer", "--target-grid", "-3"], ["--target-grid"], rc=2)
+    expect_fail(["bench", "indexer", "--frobnicate", "1"], ["unknown option"], rc=2)
+
+
+@case
+def bench_indexer_without_gpu():
+    """Without a usable GPU: a clear error, exit 1; with one, a table."""
+    code, out, err, cmd, dt = run_m3(["bench", "indexer", "--batch", "1", "--context", "300",
+                                      "--world", "1,2", "--iters", "1"])
+    if code == 0:
+        if "| batch | context | world |" not in out:
+            raise Failure(f"exit 0 without the table\n  command: {shell(cmd)}\n  out: {out}")
+        return
+    if code != 1 or not REPORT_RE.search(err) or any(m in err for m in BAD_MARKERS):
+        raise Failure(f"exit {code}, stderr: {err.strip()[:2000]}\n  command: {shell(cmd)}")
 
 
 @case
