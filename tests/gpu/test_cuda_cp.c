@@ -68,6 +68,12 @@ static void down(void *h, const void *d, size_t bytes) {
     }
 }
 
+/* release n device buffers */
+static void release_all(void *const *bufs, int n) {
+    for (int i = 0; i < n; i++)
+        g_gpu->ops->release(g_gpu, bufs[i]);
+}
+
 /* mode 0: random values with a NaN key; mode 1: 0/1 values (ties) */
 static void make_dataset(dataset *d, int qlen, int mode) {
     static const int32_t lens[BATCH] = {5, 0, 200, 33000, 20111};
@@ -102,10 +108,7 @@ static void make_dataset(dataset *d, int qlen, int mode) {
 static void free_dataset(dataset *d) {
     free(d->q);
     free(d->cache);
-    g_gpu->ops->release(g_gpu, d->dq);
-    g_gpu->ops->release(g_gpu, d->dcache);
-    g_gpu->ops->release(g_gpu, d->dtable);
-    g_gpu->ops->release(g_gpu, d->dlens);
+    release_all((void *const[]){d->dq, d->dcache, d->dtable, d->dlens}, 4);
 }
 
 static m3_cp_score_inputs host_inputs(dataset *d) {
@@ -205,10 +208,7 @@ static void check_world(dataset *d, int world, int32_t *sel_out[NFORCED]) {
     free(hkeys);
     free(gkeys);
     free(hsel);
-    g_gpu->ops->release(g_gpu, dscores);
-    g_gpu->ops->release(g_gpu, derr);
-    g_gpu->ops->release(g_gpu, dkeys);
-    g_gpu->ops->release(g_gpu, dsel);
+    release_all((void *const[]){dscores, derr, dkeys, dsel}, 4);
 }
 
 static void check_dataset(int qlen, int mode) {
@@ -298,11 +298,7 @@ static void check_graph(void) {
     CHECK_OK(m3_cuda_cp_error(g_gpu, derr));
     free(eager);
     free(replay);
-    g_gpu->ops->release(g_gpu, sc[0]);
-    g_gpu->ops->release(g_gpu, sc[1]);
-    g_gpu->ops->release(g_gpu, keys);
-    g_gpu->ops->release(g_gpu, dsel);
-    g_gpu->ops->release(g_gpu, derr);
+    release_all((void *const[]){sc[0], sc[1], keys, dsel, derr}, 5);
     free_dataset(&d);
 }
 
@@ -337,9 +333,7 @@ static void check_bad_values(void) {
     CHECK_FAILS(m3_cuda_cp_error(g_gpu, derr), M3_ERR_INVALID_ARG, "length 33007");
     down(&v, sc + ((int64_t)0 * d.tokens + 4) * local + 0, 4);
     CHECK(isinf(v) && v < 0); /* clamped to 0: nothing visible */
-    g_gpu->ops->release(g_gpu, sc);
-    g_gpu->ops->release(g_gpu, keys);
-    g_gpu->ops->release(g_gpu, derr);
+    release_all((void *const[]){sc, keys, derr}, 3);
     free_dataset(&d);
 }
 
