@@ -242,6 +242,21 @@ static void check_dataset(int qlen, int mode) {
     free_dataset(&d);
 }
 
+/* Every rank's scores and keys, one after the other on this GPU, then the
+ * merge of the keys (rank-major in keys, as the gather lays them out). */
+static m3_status run_ranks(const m3_cuda_cp_inputs *din, float scale, int world, float *const *sc,
+                           uint64_t *keys, int64_t items, const m3_select_params *p,
+                           int32_t *dsel, int *derr) {
+    m3_status st = M3_OK;
+    for (int r = 0; r < world && !st; r++) {
+        st = m3_cuda_cp_scores(g_gpu, din, MAX_SEQ, r, world, scale, sc[r], derr);
+        if (!st)
+            st = m3_cuda_cp_local_topk(g_gpu, din, MAX_SEQ, r, world, p, sc[r],
+                                       keys + (int64_t)r * items * p->topk, derr);
+    }
+    return st ? st : m3_cuda_cp_merge(g_gpu, keys, world, items, p->topk, dsel);
+}
+
 /* Capture scores + top-k + merge (world 2, both ranks) with every length
  * 1, replay after the real lengths are uploaded: equal to eager. */
 static void check_graph(void) {
@@ -258,15 +273,7 @@ static void check_graph(void) {
     up(derr, zero, 16);
     int32_t *eager = malloc((size_t)items * k * 4), *replay = malloc((size_t)items * k * 4);
     const m3_select_params *p = &FORCED[1];
-    m3_status st = M3_OK;
-    for (int r = 0; r < world && !st; r++) {
-        st = m3_cuda_cp_scores(g_gpu, &din, MAX_SEQ, r, world, d.scale, sc[r], derr);
-        if (!st)
-            st = m3_cuda_cp_local_topk(g_gpu, &din, MAX_SEQ, r, world, p, sc[r],
-                                       keys + (int64_t)r * items * k, derr);
-    }
-    if (!st)
-        st = m3_cuda_cp_merge(g_gpu, keys, world, items, k, dsel);
+    m3_status st = run_ranks(&din, d.scale, world, sc, keys, items, p, dsel, derr);
     CHECK_OK(st);
     down(eager, dsel, (size_t)items * k * 4);
     int32_t ones[BATCH];
@@ -275,15 +282,7 @@ static void check_graph(void) {
     up(d.dlens, ones, sizeof ones);
     void *graph = NULL;
     CHECK_OK(g_gpu->ops->graph_begin(g_gpu));
-    st = M3_OK;
-    for (int r = 0; r < world && !st; r++) {
-        st = m3_cuda_cp_scores(g_gpu, &din, MAX_SEQ, r, world, d.scale, sc[r], derr);
-        if (!st)
-            st = m3_cuda_cp_local_topk(g_gpu, &din, MAX_SEQ, r, world, p, sc[r],
-                                       keys + (int64_t)r * items * k, derr);
-    }
-    if (!st)
-        st = m3_cuda_cp_merge(g_gpu, keys, world, items, k, dsel);
+    st = run_ranks(&din, d.scale, world, sc, keys, items, p, dsel, derr);
     m3_status end = g_gpu->ops->graph_end(g_gpu, true, &graph);
     CHECK_OK(st);
     CHECK_OK(end);
