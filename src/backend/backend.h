@@ -16,6 +16,7 @@
 #ifndef M3_BACKEND_BACKEND_H
 #define M3_BACKEND_BACKEND_H
 
+#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -31,6 +32,12 @@ typedef struct m3_rope {
     int rotary_dim; /* RoPE on dims [0, rotary_dim); pairs (i, i + rotary_dim/2) */
     double theta;
 } m3_rope;
+
+/* The index scores' whole multiplier, SPEC §3: index_dim^-0.5 * log2(e),
+ * rounded once to fp32 (the block scores are base-2 logits). */
+static inline float m3_index_scale(int dim) {
+    return (float)(1.0 / sqrt((double)dim) * 1.4426950408889634);
+}
 
 typedef struct m3_select_params {
     int topk;

@@ -304,14 +304,14 @@ static int bench_indexer(int argc, char **argv) {
                            "\"bytes\": %.0f, \"floor_us\": %.2f, \"us\": %.2f}",
                            n ? "," : "", (long long)batch[b], (long long)ctx[c],
                            (long long)world[w], bytes, floor_us, us);
-                else if (us1 > 0)
-                    printf("| %lld | %lld | %lld | %.1f | %.1f | %.1f | %.2f | %.2f |\n",
+                else {
+                    char speedup[32] = ""; /* against world 1, when it was measured */
+                    if (us1 > 0)
+                        snprintf(speedup, sizeof speedup, "%.2f", us1 / us);
+                    printf("| %lld | %lld | %lld | %.1f | %.1f | %.1f | %.2f | %s |\n",
                            (long long)batch[b], (long long)ctx[c], (long long)world[w], bytes / 1e6,
-                           floor_us, us, us / floor_us, us1 / us);
-                else
-                    printf("| %lld | %lld | %lld | %.1f | %.1f | %.1f | %.2f | |\n",
-                           (long long)batch[b], (long long)ctx[c], (long long)world[w], bytes / 1e6,
-                           floor_us, us, us / floor_us);
+                           floor_us, us, us / floor_us, speedup);
+                }
                 n++;
             }
         }

@@ -239,7 +239,7 @@ static void ph_heads(m3_cpu_mono *m, int th, int nth) {
 static void ph_scores(m3_cpu_mono *m, int th, int nth) {
     const mono_call *c = &m->c;
     int Di = m->Di, Ni = m->Ni;
-    float scale = (float)(1.0 / sqrt((double)Di) * 1.4426950408889634);
+    float scale = m3_index_scale(Di);
     float *q = m->tbuf[th], *kbuf = q + Di;
     int64_t b, e;
     share(m->score_first[c->n_act], th, nth, &b, &e);
@@ -294,7 +294,7 @@ static void ph_cp(m3_cpu_mono *m, int th, int nth) {
                     m->cp_table, m->max_blocks, m->cp_lens,
                     (int64_t)m->max_blocks * M3_PAGE_TOKENS};
     m3_select_params sp = {m->cfg.topk_blocks, m->cfg.init_blocks, m->cfg.local_blocks};
-    float scale = (float)(1.0 / sqrt((double)m->Di) * 1.4426950408889634);
+    float scale = m3_index_scale(m->Di);
     if (c->n_act > 0 && m3_cp_select_rows(m->cp, &r, scale, &sp, m->sel))
         fault_set(m->fault, M3_MONO_FAULT_ABORTED, c->layer, -1, 0);
 }

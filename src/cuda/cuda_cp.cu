@@ -620,7 +620,7 @@ extern "C" m3_status m3_cuda_bench_indexer(m3_backend *be, int batch, int64_t co
     in.table = table;
     in.lens = lens;
     uint64_t *gathered = keys + items * p->topk;
-    const float scale = 0.08838834764831845f * 1.4426950408889634f;
+    const float scale = m3_index_scale(kDim);
     /* one eager pass: the rank's keys, copied world times as the gather */
     if (!st)
         st = m3_cuda_cp_scores(be, &in, context, 0, world, scale, scores, err);

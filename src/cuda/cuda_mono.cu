@@ -613,7 +613,7 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
      * (forward.c) */
     const float attn_scale = (float)(1.0 / sqrt((double)kHD));
     a.attn_scale_log2 = (float)((double)attn_scale * 1.4426950408889634);
-    a.idx_scale = (float)(1.0 / sqrt((double)kHD) * 1.4426950408889634);
+    a.idx_scale = m3_index_scale(kHD);
     /* the landing tags come from a device-side count of calls (see
      * mono_post_kernel), so a graph replay does not reuse the tags it was
      * captured with; the epoch is not needed for them */

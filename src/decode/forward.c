@@ -64,7 +64,7 @@ m3_status m3_stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) 
         M3_TRY(op->head_norm_rope(be, T, 1, Di, s->ik, Di, &lw->ik_norm, c->rms_norm_eps,
                                   st->dev.positions, &rope));
         M3_TRY(op->cache_write(be, T, st->dev.slots, 1, Di, s->ik, Di, cl->index));
-        float scale = (float)(1.0 / sqrt((double)Di) * 1.4426950408889634);
+        float scale = m3_index_scale(Di);
         m3_select_params sp = {c->topk_blocks, c->init_blocks, c->local_blocks};
         if (eng->opts.indexer_cp && m3_cp_step_ok(st)) {
             M3_TRY(m3_cp_layer_select(eng, st, cl->index, scale, &sp));
