@@ -2,8 +2,11 @@
 """Summarise a mono-kernel item trace (M3_MONO_TRACE=prefix m3 bench layer --path mono).
 
 Per kernel and item kind: how many items, when the first started and the
-last ended (µs from the kernel's first item), the summed busy time, and the
-median item time. The gaps between kinds are where CTAs waited.
+last ended (µs from the kernel's first item), the summed busy time, the
+median item time, and of it the median time spent waiting for the item's
+inputs (a counter) and working after they were ready. The gaps between
+kinds are where CTAs waited. Older traces without the ready column show
+no split.
 """
 import sys
 from collections import defaultdict
@@ -16,27 +19,34 @@ POST = ["select", "attention", "o_proj", "norm2", "router", "shared_gu", "expert
 def main(path):
     rows = [list(map(int, l.split())) for l in open(path).read().splitlines()[1:] if l.strip()]
     by = defaultdict(list)
-    for k, kind, cta, item, t0, t1 in rows:
-        by[(k, kind)].append((t0, t1, cta))
+    for r in rows:
+        k, kind, cta, item, t0, t1 = r[:6]
+        ready = r[6] if len(r) > 6 else 0
+        ready = min(max(ready, t0), t1)  # 0 (no wait) or before the item: no wait
+        by[(k, kind)].append((t0, t1, cta, ready))
     print(path)
     for k in (0, 1):
         ks = [v for (kk, _), v in by.items() if kk == k]
         if not ks:
             continue
-        start = min(t0 for v in ks for t0, _, _ in v)
-        end = max(t1 for v in ks for _, t1, _ in v)
-        ctas = len({c for v in ks for _, _, c in v})
+        start = min(x[0] for v in ks for x in v)
+        end = max(x[1] for v in ks for x in v)
+        ctas = len({x[2] for v in ks for x in v})
         print("  %s kernel: %.1f us from first item to last, %d CTAs took items" %
               ("pre" if k == 0 else "post", (end - start) / 1e3, ctas))
         names = PRE if k == 0 else POST
         for kind in sorted(kind for kk, kind in by if kk == k):
             v = by[(k, kind)]
-            d = sorted(t1 - t0 for t0, t1, _ in v)
-            print("    %-12s n=%5d  first %8.1f  last end %8.1f  busy %9.1f  median %7.2f  max %7.2f us" %
+            d = sorted(x[1] - x[0] for x in v)
+            wait = sorted(x[3] - x[0] for x in v)
+            work = sorted(x[1] - x[3] for x in v)
+            print("    %-12s n=%5d  first %8.1f  last end %8.1f  busy %9.1f  median %7.2f "
+                  "(wait %6.2f, work %6.2f)  max %7.2f us" %
                   (names[kind] if kind < len(names) else kind, len(v),
-                   (min(t0 for t0, _, _ in v) - start) / 1e3,
-                   (max(t1 for _, t1, _ in v) - start) / 1e3,
-                   sum(d) / 1e3, d[len(d) // 2] / 1e3, d[-1] / 1e3))
+                   (min(x[0] for x in v) - start) / 1e3,
+                   (max(x[1] for x in v) - start) / 1e3,
+                   sum(d) / 1e3, d[len(d) // 2] / 1e3, wait[len(wait) // 2] / 1e3,
+                   work[len(work) // 2] / 1e3, d[-1] / 1e3))
 
 
 if __name__ == "__main__":

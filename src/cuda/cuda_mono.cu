@@ -131,6 +131,7 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
+    int spin_ns, pf_chunks; /* tuning knobs (see m3_cuda_mono_create) */
 };
 
 #define MONO_FAIL(st, ...) m3_fail((st), "mono: " __VA_ARGS__)
@@ -141,6 +142,17 @@ struct m3_cuda_mono {
  * (the projections, hence the cache entries and the index scores, equal the
  * stock path's; selections too). Depends on shapes and the SM count only,
  * never on the step's rows. */
+/* An integer knob from the environment, `fallback` when unset or outside
+ * [lo, hi]. */
+static int env_int(const char *name, int fallback, int lo, int hi) {
+    const char *v = getenv(name);
+    if (!v || !*v)
+        return fallback;
+    char *end = NULL;
+    long x = strtol(v, &end, 10);
+    return *end == '\0' && x >= lo && x <= hi ? (int)x : fallback;
+}
+
 static int stock_splits(int sm_count, int64_t N, int64_t K, int cta_rows) {
     int64_t n_tiles = (N + cta_rows - 1) / cta_rows;
     int64_t chunks = (K + kKC - 1) / kKC;
@@ -274,6 +286,11 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     const char *cap = getenv("M3_MONO_CTAS");
     if (cap && atoi(cap) > 0 && atoi(cap) < m->P)
         m->P = atoi(cap);
+    /* M3_MONO_SPIN_NS: a waiting CTA's sleep between polls of a counter;
+     * M3_MONO_PF_CHUNKS: how many 1024-column chunks ahead a GEMV item asks
+     * L2 for its weights (0: none). Out-of-range values keep the defaults. */
+    m->spin_ns = env_int("M3_MONO_SPIN_NS", 64, 0, 1000000);
+    m->pf_chunks = env_int("M3_MONO_PF_CHUNKS", 2, 0, 6);
     /* K splits as the stock linear op takes them (16-row CTAs; the router's
      * fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -397,7 +414,7 @@ extern "C" void m3_cuda_mono_free(m3_cuda_mono *m) {
 extern "C" m3_status m3_cuda_mono_trace_start(m3_cuda_mono *m) {
     if (!m->trace) {
         m->trace_cap = 1u << 16;
-        M3_CUDA_TRY(cudaMalloc((void **)&m->trace, (size_t)m->trace_cap * 3 * 8));
+        M3_CUDA_TRY(cudaMalloc((void **)&m->trace, (size_t)m->trace_cap * 4 * 8));
         M3_CUDA_TRY(cudaMalloc((void **)&m->trace_n, sizeof *m->trace_n));
     }
     M3_CUDA_TRY(cudaMemsetAsync(m->trace_n, 0, sizeof *m->trace_n, m->cu->stream));
@@ -412,18 +429,18 @@ extern "C" m3_status m3_cuda_mono_trace_write(m3_cuda_mono *m, const char *path)
     M3_CUDA_TRY(cudaStreamSynchronize(m->cu->stream));
     M3_CUDA_TRY(cudaMemcpy(&n, m->trace_n, sizeof n, cudaMemcpyDeviceToHost));
     n = n < m->trace_cap ? n : m->trace_cap;
-    unsigned long long *h = (unsigned long long *)malloc((size_t)n * 3 * 8 + 8);
+    unsigned long long *h = (unsigned long long *)malloc((size_t)n * 4 * 8 + 8);
     if (!h)
         return MONO_FAIL(M3_ERR_NO_MEMORY, "out of memory for the trace");
-    cudaError_t e = cudaMemcpy(h, m->trace, (size_t)n * 3 * 8, cudaMemcpyDeviceToHost);
+    cudaError_t e = cudaMemcpy(h, m->trace, (size_t)n * 4 * 8, cudaMemcpyDeviceToHost);
     FILE *f = e == cudaSuccess ? fopen(path, "w") : NULL;
     if (f) {
-        fprintf(f, "kernel kind cta item start_ns end_ns\n");
+        fprintf(f, "kernel kind cta item start_ns end_ns ready_ns\n");
         for (unsigned i = 0; i < n; i++) {
-            unsigned long long meta = h[3 * i];
-            fprintf(f, "%u %u %u %u %llu %llu\n", (unsigned)(meta >> 56),
+            unsigned long long meta = h[4 * i];
+            fprintf(f, "%u %u %u %u %llu %llu %llu\n", (unsigned)(meta >> 56),
                     (unsigned)(meta >> 48) & 0xff, (unsigned)(meta >> 32) & 0xffff,
-                    (unsigned)meta, h[3 * i + 1], h[3 * i + 2]);
+                    (unsigned)meta, h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]);
         }
         fclose(f);
     }
@@ -702,6 +719,8 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.fault = m->fault;
     a.peers = m->peers_dev;
     a.landing = m->landing;
+    a.spin_ns = m->spin_ns;
+    a.pf_chunks = m->pf_chunks;
     a.trace = m->tracing ? m->trace : NULL;
     a.trace_n = m->trace_n;
     a.trace_cap = m->trace_cap;

@@ -119,7 +119,9 @@ struct MonoArgs {
     int *fault;
     uint2 *const *peers; /* [world] landing areas, rank order */
     uint2 *landing;      /* this rank's */
-    /* item trace (M3_MONO_TRACE): [cap] x {meta, start ns, end ns} */
+    /* tuning knobs (M3_MONO_SPIN_NS, M3_MONO_PF_CHUNKS; see cuda_mono.cu) */
+    int spin_ns, pf_chunks;
+    /* item trace (M3_MONO_TRACE): [cap] x {meta, start ns, end ns, inputs ready ns} */
     unsigned long long *trace;
     unsigned *trace_n;
     unsigned trace_cap;

@@ -70,12 +70,27 @@ __device__ void fault_set(int *f, int code, int layer, int row, long long value)
 
 /* ---- counters: every thread of the CTA calls these ---- */
 
+/* Per-CTA copies of the launch's knobs (set by the kernels' prologue) and
+ * the time the current item's last wait ended (the item trace). */
+__shared__ int s_spin_ns, s_pf_chunks;
+__shared__ unsigned long long s_t_ready;
+
+__device__ __forceinline__ void knobs_init(const MonoArgs &a) {
+    if (threadIdx.x == 0) {
+        s_spin_ns = a.spin_ns;
+        s_pf_chunks = a.pf_chunks;
+    }
+    __syncthreads();
+}
+
 /* Wait until *c >= target; afterwards the CTA sees what the producers
  * wrote before their release (reads of such data use ld.cg, never L1). */
 __device__ __forceinline__ void wait_count(const unsigned *c, unsigned target) {
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         while (ld_acquire(c) < target)
-            __nanosleep(64);
+            __nanosleep(s_spin_ns);
+        s_t_ready = gtimer();
+    }
     __syncthreads();
 }
 
@@ -260,12 +275,10 @@ __device__ __forceinline__ void prefetch_rows(const WRow &W, int64_t n0, int nr,
 }
 
 /* How far ahead of the K loop weights are asked for: an item prefetches
- * its rows' first kPfChunks chunks when it starts (pf_end gives the end),
+ * its rows' first s_pf_chunks chunks (M3_MONO_PF_CHUNKS, default 2) when it starts (pf_end gives the end),
  * the K loop then one chunk per chunk it consumes. Bounded so the bytes in
  * flight over the whole GPU (CTAs x 2 chunks x 16 KiB) stay well inside L2. */
-constexpr int kPfChunks = 2;
-
-__device__ __forceinline__ int pf_end(int k0, int k1) { return min(k1, k0 + kPfChunks * kKC); }
+__device__ __forceinline__ int pf_end(int k0, int k1) { return min(k1, k0 + s_pf_chunks * kKC); }
 
 /* fp32 rows (the router) */
 __device__ __forceinline__ void prefetch_rows_f32(const float *w, int64_t K, int64_t n0, int nr,
@@ -348,10 +361,10 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
                                            int lane) {
     for (int kc = k0; kc < k1; kc += kKC) {
         int kn = min(kKC, k1 - kc);
-        /* keep the L2 prefetch kPfChunks chunks ahead (the item asked for
-         * the first kPfChunks when it started) */
-        const int kp = kc + kPfChunks * kKC;
-        if (kp < k1 && lane < kRW)
+        /* keep the L2 prefetch s_pf_chunks chunks ahead (the item asked for
+         * the first ones when it started) */
+        const int kp = kc + s_pf_chunks * kKC;
+        if (kp > kc && kp < k1 && lane < kRW)
             prefetch_row(W, n0 + lane, N, kp, min(k1, kp + kKC));
         WBuf<FP8> b;
         chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */

@@ -34,8 +34,10 @@ __device__ void finish(const MonoArgs &a, Ctl &ctl, bool post) {
 /* The item cursor: read the prefetched index and the fault word; false
  * when the item is past `total`. */
 __device__ __forceinline__ int next_item(const MonoArgs &a, Ctl &ctl, bool *faulted) {
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         ctl.faulted = ld_vol(a.fault) != 0;
+        s_t_ready = 0;
+    }
     __syncthreads();
     int cur = ctl.cur;
     *faulted = ctl.faulted != 0;
@@ -56,9 +58,10 @@ __device__ __forceinline__ void trace_item(const MonoArgs &a, int kernel, int ki
     unsigned long long meta = ((unsigned long long)kernel << 56) |
                               ((unsigned long long)kind << 48) |
                               ((unsigned long long)blockIdx.x << 32) | (unsigned)item;
-    a.trace[3 * (size_t)i] = meta;
-    a.trace[3 * (size_t)i + 1] = t0;
-    a.trace[3 * (size_t)i + 2] = gtimer();
+    a.trace[4 * (size_t)i] = meta;
+    a.trace[4 * (size_t)i + 1] = t0;
+    a.trace[4 * (size_t)i + 2] = gtimer();
+    a.trace[4 * (size_t)i + 3] = s_t_ready; /* 0: the item did not wait */
 }
 
 template <int NR>
@@ -66,6 +69,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     mono_pre_kernel(const __grid_constant__ MonoArgs a) {
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
+    knobs_init(a);
     const int n_norm = a.T, n_proj = a.p_item0[5], n_idx = a.T * a.G;
     const int total = n_norm + n_proj + n_idx;
     if (threadIdx.x == 0)
@@ -109,6 +113,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     constexpr int ENR = NR <= 1 ? 1 : (NR <= 2 ? 2 : 4);
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
+    knobs_init(a);
     const int n_sel = a.T * a.Ni, n_att = a.T * a.Nkv * a.mtiles * a.S;
     const int n_o = (a.H / kTile) * a.s_o, n_n2 = a.T, n_rt = a.rt_tiles * a.s_rt;
     const int n_shgu = a.Is ? (a.Is / 4) * a.s_shgu : 0;
