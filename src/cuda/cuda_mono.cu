@@ -40,7 +40,7 @@
  *        to an 8-column tile of the output combines it | TP: final sums.
  *
  * GEMV tiles: 8 output rows (2 per warp) over K, the rows' activations
- * staged in shared memory 1024 columns at a time; weights streamed once
+ * staged in shared memory 1024 columns at a time (cp.async); weights streamed once
  * with 16-byte (bf16) / 8-byte (e4m3) loads, exactly the inner loop of
  * cuda_gemv.cuh (same sums in the same order). Latency: an item asks L2 for
  * its first two chunks of weight rows (cp.async.bulk.prefetch, one request
@@ -131,7 +131,7 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
-    int spin_ns, pf_chunks; /* tuning knobs (see m3_cuda_mono_create) */
+    int spin_ns, pf_chunks, poll_acquire, stage_async; /* tuning knobs (see m3_cuda_mono_create) */
 };
 
 #define MONO_FAIL(st, ...) m3_fail((st), "mono: " __VA_ARGS__)
@@ -288,9 +288,14 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
         m->P = atoi(cap);
     /* M3_MONO_SPIN_NS: a waiting CTA's sleep between polls of a counter;
      * M3_MONO_PF_CHUNKS: how many 1024-column chunks ahead a GEMV item asks
-     * L2 for its weights (0: none). Out-of-range values keep the defaults. */
+     * L2 for its weights (0: none); M3_MONO_POLL_ACQUIRE=1: every poll an
+     * acquire load; M3_MONO_STAGE_ASYNC=0: GEMV activations staged by
+     * load + store instead of cp.async. None changes results. Out-of-range
+     * values keep the defaults (docs/PERF.md has the measurements). */
     m->spin_ns = env_int("M3_MONO_SPIN_NS", 64, 0, 1000000);
     m->pf_chunks = env_int("M3_MONO_PF_CHUNKS", 2, 0, 6);
+    m->poll_acquire = env_int("M3_MONO_POLL_ACQUIRE", 0, 0, 1);
+    m->stage_async = env_int("M3_MONO_STAGE_ASYNC", 1, 0, 1);
     /* K splits as the stock linear op takes them (16-row CTAs; the router's
      * fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -721,6 +726,8 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.landing = m->landing;
     a.spin_ns = m->spin_ns;
     a.pf_chunks = m->pf_chunks;
+    a.poll_acquire = m->poll_acquire;
+    a.stage_async = m->stage_async;
     a.trace = m->tracing ? m->trace : NULL;
     a.trace_n = m->trace_n;
     a.trace_cap = m->trace_cap;

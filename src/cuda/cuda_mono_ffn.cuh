@@ -259,8 +259,7 @@ __device__ void combine_arrive(const MonoArgs &a, Ctl &ctl, int tile, bool fault
         __threadfence();
         unsigned old = atomicAdd(&a.ctr[a.o_comb + tile], 1u);
         __threadfence();
-        while (ld_acquire(&a.ctr[C_PLAN]) < 1u)
-            __nanosleep(s_spin_ns);
+        spin_until(&a.ctr[C_PLAN], 1u);
         unsigned total = (unsigned)__ldcg(a.n_uniq) + (a.Is ? 1u : 0u);
         ctl.flag = old + 1u == total;
     }
@@ -275,8 +274,7 @@ __device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, 
     __syncthreads();
     if (threadIdx.x == 0) {
         /* the plan is published (routed down items exist only after it) */
-        while (ld_acquire(&a.ctr[C_PLAN]) < 1u)
-            __nanosleep(s_spin_ns);
+        spin_until(&a.ctr[C_PLAN], 1u);
         const unsigned total = (unsigned)__ldcg(a.n_uniq) + (a.Is ? 1u : 0u);
         __threadfence();
         int mask = 0;
