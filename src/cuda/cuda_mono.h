@@ -71,8 +71,9 @@ m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int layer,
 
 /* Item trace for performance work: after trace_start, the launches record
  * every work item (kernel, kind, CTA, index, start and end on the global
- * timer); trace_write synchronizes, writes them as text and stops tracing.
- * Never inside a graph capture. */
+ * timer, and when its last wait for inputs ended: 0 if it did not wait);
+ * trace_write synchronizes, writes them as text and stops tracing. Never
+ * inside a graph capture. */
 m3_status m3_cuda_mono_trace_start(m3_cuda_mono *m);
 m3_status m3_cuda_mono_trace_write(m3_cuda_mono *m, const char *path);
 
