@@ -1,9 +1,11 @@
 /*
- * Device helpers shared by the stock kernels (cuda_attention.cu) and the
- * mono path's fused kernels (cuda_mono*), so both compute the same bits
- * with one copy of the code: cp.async (global to shared, bypassing L1), the
- * CPU's first-maximum rule, and the index dot products in the CPU's
- * accumulation order.
+ * Device helpers shared by the stock kernels (cuda_index.cu,
+ * cuda_attention.cu) and the mono path's fused kernels (cuda_mono*), so
+ * both compute the same bits with one copy of the code: cp.async (global
+ * to shared, bypassing L1), the CPU's first-maximum rule, the index dot
+ * products in the CPU's accumulation order, the tensor-core fragment loads
+ * and bf16 MMA of the attention kernels, and the exact top-k block
+ * selection.
  */
 #ifndef M3_CUDA_CUDA_ASYNC_CUH
 #define M3_CUDA_CUDA_ASYNC_CUH
@@ -98,5 +100,175 @@ __device__ __forceinline__ void idx_dots(const unsigned char *krow, const double
         d[h] = __double2float_rn(__dadd_rn(acc[h][0], acc[h][1]));
     }
 }
+
+/* ---- tensor-core fragments (the attention kernels' bf16 mma.sync) ---- */
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+/* d += a b: m16n8k16, bf16 in, fp32 accumulate */
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* ---- exact top-k block selection (m3_select_row's total order) ----
+ * One CTA of THREADS threads selects the `room` best of candidate blocks
+ * [c0, c1) by score: a radix select over 64-bit keys (sel_threshold), then
+ * the selected ids in ascending order (sel_compact). The stock select
+ * kernel (cuda_index.cu) and the mono selection item (cuda_mono_attn.cuh)
+ * run this code with their own CTA sizes. */
+namespace {
+
+template <int WARPS>
+struct SelSharedT {
+    unsigned hist[256];
+    unsigned long long prefix;
+    unsigned k;
+    int done;
+    int wcount[WARPS];
+};
+
+
+/* m3_select_row's order as one unsigned key, larger = better: the score
+ * (NaN below -inf, -0 equal to +0), then the block id (ties: higher id). */
+__device__ __forceinline__ uint64_t sel_key(float s, int b) {
+    uint32_t x = __float_as_uint(s), u;
+    if (isnan(s))
+        u = 0u;
+    else {
+        if ((x & 0x7fffffffu) == 0u)
+            x = 0u;
+        u = (x & 0x80000000u) ? ~x : (x | 0x80000000u);
+    }
+    return ((uint64_t)u << 32) | (uint32_t)b;
+}
+
+/* Warp 0: the digit whose bucket holds the k-th largest key of this pass;
+ * narrows prefix and k; done when that bucket holds exactly the k keys
+ * still wanted (then every key with the prefix is selected). */
+template <int WARPS>
+__device__ void sel_find_digit(SelSharedT<WARPS> &sh, int shift) {
+    int lane = threadIdx.x;
+    unsigned k = sh.k; /* read by every lane before any lane writes */
+    unsigned c[8], tot = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        c[i] = sh.hist[lane * 8 + i];
+        tot += c[i];
+    }
+    unsigned suf = tot; /* keys in buckets of lanes >= this lane */
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned y = __shfl_down_sync(0xffffffffu, suf, o);
+        if (lane + o < 32)
+            suf += y;
+    }
+    unsigned above = suf - tot;
+    if (above < k && k <= suf) {
+        for (int i = 7; i >= 0; i--) {
+            if (k <= above + c[i]) {
+                sh.prefix |= (unsigned long long)(lane * 8 + i) << shift;
+                sh.k = k - above;
+                sh.done = c[i] == k - above;
+                break;
+            }
+            above += c[i];
+        }
+    }
+}
+
+/* Radix select (8-bit digits, most significant first) over the keys of
+ * candidates [c0, c1): returns thr such that exactly `room` of them have
+ * key >= thr (keys are distinct: they end in the block id). */
+template <int THREADS>
+__device__ uint64_t sel_threshold(const float *sc, int c0, int c1, unsigned room,
+                              SelSharedT<THREADS / 32> &sh) {
+    int lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        sh.prefix = 0;
+        sh.k = room;
+        sh.done = 0;
+    }
+    uint64_t prefix = 0, mask = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += THREADS)
+            sh.hist[i] = 0;
+        __syncthreads();
+        for (int base = c0; base < c1; base += THREADS) { /* uniform trip count */
+            int b = base + threadIdx.x;
+            bool act = false;
+            unsigned digit = 0;
+            if (b < c1) {
+                uint64_t key = sel_key(sc[b], b);
+                act = (key & mask) == prefix;
+                digit = (unsigned)(key >> shift) & 255u;
+            }
+            /* one shared atomic per distinct digit in the warp: scores
+             * cluster in a few top digits */
+            unsigned am = __ballot_sync(0xffffffffu, act);
+            if (act) {
+                unsigned peers = __match_any_sync(am, digit);
+                if (lane == __ffs(peers) - 1)
+                    atomicAdd(&sh.hist[digit], (unsigned)__popc(peers));
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 32)
+            sel_find_digit(sh, shift);
+        __syncthreads();
+        prefix = sh.prefix;
+        mask |= 0xffull << shift;
+        if (sh.done)
+            break;
+    }
+    return prefix;
+}
+
+/* out[0..room) = the candidates with key >= thr, ascending; returns how
+ * many were written (room, by construction). */
+template <int THREADS>
+__device__ int sel_compact(const float *sc, int c0, int c1, uint64_t thr, int room, int32_t *out,
+                           SelSharedT<THREADS / 32> &sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, run = 0;
+    for (int base = c0; base < c1 && run < room; base += THREADS) {
+        int b = base + threadIdx.x;
+        bool f = b < c1 && sel_key(sc[b], b) >= thr;
+        unsigned bal = __ballot_sync(0xffffffffu, f);
+        if (lane == 0)
+            sh.wcount[warp] = __popc(bal);
+        __syncthreads();
+        int off = run, total = 0;
+        for (int w = 0; w < THREADS / 32; w++) {
+            int c = sh.wcount[w];
+            off += w < warp ? c : 0;
+            total += c;
+        }
+        if (f) {
+            int pos = off + __popc(bal & ((1u << lane) - 1u));
+            if (pos < room)
+                out[pos] = b;
+        }
+        run += total;
+        __syncthreads(); /* wcount is rewritten next round */
+    }
+    return run < room ? run : room;
+}
+
+} // namespace
 
 #endif

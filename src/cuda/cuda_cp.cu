@@ -43,8 +43,6 @@ constexpr int kMaxTopk = 1024;
 constexpr int kMergeThreads = 256;
 constexpr int kMaxMergeKeys = 4096;
 
-__device__ __forceinline__ float qnan() { return __int_as_float(0x7fc00000); }
-
 struct ScoreArgs {
     m3_cuda_cp_inputs in;
     int64_t max_seq_len, blocks, local, chunk;
@@ -130,7 +128,7 @@ __device__ void score_block(const ScoreArgs &a, const unsigned char *stage, cons
         const int count = c <= 0 ? 0 : (int)(c < kPage ? c : (int64_t)kPage);
         if (count == 0 || count_all < 0) { /* nothing visible, or a bad page: -inf / NaN */
             for (int h = threadIdx.x; h < H; h += kScoreThreads)
-                a.out[((int64_t)h * tokens + t) * a.local + l] = count == 0 ? -INFINITY : qnan();
+                a.out[((int64_t)h * tokens + t) * a.local + l] = count == 0 ? -INFINITY : m3_qnan();
             continue;
         }
         for (int h0 = 0; h0 < H; h0 += 4) {

@@ -101,13 +101,14 @@ m3_status m3_cuda_cache_write(m3_backend *be, int rows, const int64_t *slots, in
                               const uint16_t *src, int64_t src_stride, uint16_t *cache);
 m3_status m3_cuda_swiglu(m3_backend *be, int64_t n, const uint16_t *gate, const uint16_t *up,
                          const m3_swiglu *act, uint16_t *out);
-/* cuda_attention.cu */
+/* cuda_index.cu */
 m3_status m3_cuda_index_scores(m3_backend *be, const m3_step *step, int heads, int dim,
                                const uint16_t *iq, const uint16_t *icache, float scale,
                                float *scores);
 m3_status m3_cuda_select_blocks(m3_backend *be, const m3_step *step, int heads,
                                 const float *scores, const m3_select_params *p,
                                 int32_t *selected);
+/* cuda_attention.cu */
 m3_status m3_cuda_attention(m3_backend *be, const m3_step *step, int q_heads, int kv_heads,
                             int dim, const uint16_t *q, const uint16_t *kcache,
                             const uint16_t *vcache, const int32_t *selected, int topk,

@@ -63,8 +63,9 @@
  * index dots in fp64 with the CPU's accumulator order, so scores and the
  * selection equal the stock path's; attention on bf16 tensor cores with
  * the flash-decoding merge; router in fp32; the SPEC's rounding points).
- * Several device routines are ports of cuda_attention.cu / cuda_moe.cu /
- * cuda_elementwise.cu (same math, item-sized instead of kernel-sized).
+ * Several device routines are ports of cuda_index.cu / cuda_attention.cu /
+ * cuda_moe.cu / cuda_elementwise.cu (same math, item-sized instead of
+ * kernel-sized; the block selection is the same code, cuda_async.cuh).
  *
  * TP (world > 1): o_proj and the FFN produce fp32 partial sums (no bf16
  * rounding of partial down outputs); every value is pushed to every rank's

@@ -135,13 +135,7 @@ static_assert(sizeof(MonoArgs) <= 4096, "MonoArgs must fit the kernel parameter 
 
 /* ================================================================ shared state */
 
-struct SelShared {
-    unsigned hist[256];
-    unsigned long long prefix;
-    unsigned k;
-    int done;
-    int wcount[kWarps];
-};
+using SelShared = SelSharedT<kWarps>; /* the selection item (cuda_async.cuh) */
 
 /* Per-CTA control block (static shared memory; kept small so three CTAs
  * fit an SM next to their 72 KiB of dynamic shared memory). */

@@ -11,116 +11,8 @@ namespace m3mono {
 /* ================================================================ launch 2 */
 
 /* ---------------------------------------------------------------- selection
- * (cuda_attention.cu select_kernel for one (row, head), 128 threads) */
-
-__device__ __forceinline__ uint64_t sel_key(float s, int b) {
-    uint32_t x = __float_as_uint(s), u;
-    if (isnan(s))
-        u = 0u;
-    else {
-        if ((x & 0x7fffffffu) == 0u)
-            x = 0u;
-        u = (x & 0x80000000u) ? ~x : (x | 0x80000000u);
-    }
-    return ((uint64_t)u << 32) | (uint32_t)b;
-}
-
-__device__ void sel_find_digit(SelShared &sh, int shift) {
-    int lane = threadIdx.x;
-    unsigned k = sh.k;
-    unsigned c[8], tot = 0;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        c[i] = sh.hist[lane * 8 + i];
-        tot += c[i];
-    }
-    unsigned suf = tot;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        unsigned y = __shfl_down_sync(kFull, suf, o);
-        if (lane + o < 32)
-            suf += y;
-    }
-    unsigned above = suf - tot;
-    if (above < k && k <= suf) {
-        for (int i = 7; i >= 0; i--) {
-            if (k <= above + c[i]) {
-                sh.prefix |= (unsigned long long)(lane * 8 + i) << shift;
-                sh.k = k - above;
-                sh.done = c[i] == k - above;
-                break;
-            }
-            above += c[i];
-        }
-    }
-}
-
-__device__ uint64_t sel_threshold(const float *sc, int c0, int c1, unsigned room, SelShared &sh) {
-    int lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) {
-        sh.prefix = 0;
-        sh.k = room;
-        sh.done = 0;
-    }
-    uint64_t prefix = 0, mask = 0;
-    for (int shift = 56; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += kThreads)
-            sh.hist[i] = 0;
-        __syncthreads();
-        for (int base = c0; base < c1; base += kThreads) {
-            int b = base + threadIdx.x;
-            bool act = false;
-            unsigned digit = 0;
-            if (b < c1) {
-                uint64_t key = sel_key(sc[b], b);
-                act = (key & mask) == prefix;
-                digit = (unsigned)(key >> shift) & 255u;
-            }
-            unsigned am = __ballot_sync(kFull, act);
-            if (act) {
-                unsigned peers = __match_any_sync(am, digit);
-                if (lane == __ffs(peers) - 1)
-                    atomicAdd(&sh.hist[digit], (unsigned)__popc(peers));
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < 32)
-            sel_find_digit(sh, shift);
-        __syncthreads();
-        prefix = sh.prefix;
-        mask |= 0xffull << shift;
-        if (sh.done)
-            break;
-    }
-    return prefix;
-}
-
-__device__ int sel_compact(const float *sc, int c0, int c1, uint64_t thr, int room, int32_t *out,
-                           SelShared &sh) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, run = 0;
-    for (int base = c0; base < c1 && run < room; base += kThreads) {
-        int b = base + threadIdx.x;
-        bool f = b < c1 && sel_key(sc[b], b) >= thr;
-        unsigned bal = __ballot_sync(kFull, f);
-        if (lane == 0)
-            sh.wcount[warp] = __popc(bal);
-        __syncthreads();
-        int off = run, total = 0;
-        for (int w = 0; w < kWarps; w++) {
-            int c = sh.wcount[w];
-            off += w < warp ? c : 0;
-            total += c;
-        }
-        if (f) {
-            int pos = off + __popc(bal & ((1u << lane) - 1u));
-            if (pos < room)
-                out[pos] = b;
-        }
-        run += total;
-        __syncthreads();
-    }
-    return run < room ? run : room;
-}
+ * (cuda_index.cu select_kernel for one (row, head), 128 threads; the
+ * radix select itself is shared: cuda_async.cuh) */
 
 __device__ void select_one(const MonoArgs &a, unsigned char *dsm, int t, int item,
                            int32_t *out) {
@@ -144,8 +36,9 @@ __device__ void select_one(const MonoArgs &a, unsigned char *dsm, int t, int ite
         sc = st;
     }
     if (room > 0) {
-        uint64_t thr = sel_threshold(sc, init_end, local_begin, (unsigned)room, sh);
-        int got = sel_compact(sc, init_end, local_begin, thr, room, out + init_end, sh);
+        uint64_t thr = sel_threshold<kThreads>(sc, init_end, local_begin, (unsigned)room, sh);
+        int got =
+            sel_compact<kThreads>(sc, init_end, local_begin, thr, room, out + init_end, sh);
         for (int i = got + threadIdx.x; i < room; i += kThreads)
             out[init_end + i] = -1;
     }
@@ -168,27 +61,6 @@ __device__ void sel_item(const MonoArgs &a, unsigned char *dsm, int item, bool f
  * last split merges them in split order) */
 
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p))
-                 : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p))
-                 : "memory");
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 struct AttnCta {
     int t, g, h0, nh, split;
@@ -397,7 +269,7 @@ __device__ void attn_partial(const MonoArgs &a, const AttnCta &c, WarpAttn &w,
         if (c.poisoned) {
             any = true;
             M = -INFINITY;
-            L = acc = qnan();
+            L = acc = m3_qnan();
         }
         int64_t head = (int64_t)c.t * a.Nq + c.h0 + r;
         int64_t p = head * a.S + c.split;
@@ -447,7 +319,7 @@ __device__ void attn_merge(const MonoArgs &a, const AttnCta &c, unsigned char *s
                 f = exp2f(v.x - ref);
                 L += f * v.y;
             }
-            fac[r * kMaxSplits + s] = v.y != 0.0f ? f : qnan(); /* NaN: not taking part */
+            fac[r * kMaxSplits + s] = v.y != 0.0f ? f : m3_qnan(); /* NaN: not taking part */
         }
         sL[r] = L;
         sany[r] = any;

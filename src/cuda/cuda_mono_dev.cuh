@@ -10,8 +10,6 @@ namespace m3mono {
 
 /* ================================================================ helpers */
 
-__device__ __forceinline__ float qnan() { return __int_as_float(0x7fc00000); }
-
 __device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
     uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -182,10 +180,10 @@ __device__ float ll_read(const MonoArgs &a, const uint2 *p, uint32_t tag, int ro
         if (v.y == tag)
             return __uint_as_float(v.x);
         if (ld_vol(a.fault) != 0)
-            return qnan();
+            return m3_qnan();
         if (gtimer() - t0 > kPeerTimeoutNs) {
             fault_set(a.fault, M3_MONO_FAULT_PEER_WAIT, a.layer, row, src);
-            return qnan();
+            return m3_qnan();
         }
     }
 }
@@ -208,7 +206,7 @@ struct RowView {
     const int32_t *table;
 };
 
-/* cuda_attention.cu load_row on the mono arguments */
+/* cuda_step.cuh load_row on the mono arguments */
 __device__ RowView load_row(const MonoArgs &a, int t) {
     int64_t slot = a.slots[t], pos = a.pos[t], cap = (int64_t)a.mb * M3_PAGE;
     int32_t req = a.row_req[t];

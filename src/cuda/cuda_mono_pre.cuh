@@ -151,7 +151,7 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
 }
 
 /* ---------------------------------------------------------------- index scores
- * (cuda_attention.cu index_scores_kernel, one (row, slice) per item) */
+ * (cuda_index.cu index_scores_kernel, one (row, slice) per item) */
 
 template <int HB>
 __device__ void idx_pass(const MonoArgs &a, Ctl &ctl, const unsigned char *tile,
@@ -209,7 +209,7 @@ __device__ void idx_tile(const MonoArgs &a, Ctl &ctl, const unsigned char *tile,
                          const double *qd, int count, int b, float *out_row) {
     if (count < 0) {
         for (int h = threadIdx.x; h < a.Ni; h += kThreads)
-            out_row[(int64_t)h * a.mb + b] = qnan();
+            out_row[(int64_t)h * a.mb + b] = m3_qnan();
         return;
     }
     for (int h0 = 0; h0 < a.Ni; h0 += kIdxHeadsPerPass) {
@@ -242,7 +242,7 @@ __device__ void idx_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
     int nb = rv.state == ROW_OK ? rv.nblocks : 0;
     int mine = nb > j ? (nb - 1 - j) / G + 1 : 0;
     int owned = j < MB ? (MB - 1 - j) / G + 1 : 0;
-    float fill = rv.state == ROW_BAD ? qnan() : -INFINITY;
+    float fill = rv.state == ROW_BAD ? m3_qnan() : -INFINITY;
     for (int64_t k = (int64_t)mine * a.Ni + threadIdx.x; k < (int64_t)owned * a.Ni;
          k += kThreads) {
         int64_t i = k / a.Ni, h = k % a.Ni;
