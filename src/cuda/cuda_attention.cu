@@ -82,14 +82,6 @@ struct AttnCta {
     bool poisoned;
 };
 
-/* one online softmax per warp, for the 16 query heads of the tile: lane
- * holds rows g = lane / 4 and g + 8 of the m16n8 accumulator layout */
-template <int D>
-struct WarpAttn {
-    float o[D / 8][4];
-    float m[2]; /* running max in log2 units, -inf before any key */
-    float l[2]; /* this lane's share of the sum of p (bf16-rounded p) */
-};
 
 /* Entries before the selection's first -1 (of topk). Every warp counts
  * for itself with one coalesced load per 32 entries (no serial chain of
@@ -188,83 +180,6 @@ __device__ void attn_load_q(const AttnArgs &a, const AttnCta &c, unsigned char *
         bool in = r < c.nh;
         cp_async16(sq + r * AttnCfg<D>::kRowBytes + k * 16, q + (in ? (int64_t)r * D + k * 8 : 0),
                    in);
-    }
-}
-
-/* New running max from the tile's scores; rescales o and l. ref: the
- * subtrahend for this tile's p (the max, or 0 while every key is masked,
- * so exp2 never sees -inf - -inf). */
-template <int D>
-__device__ __forceinline__ void attn_rescale(WarpAttn<D> &w, const float (&s)[2][4],
-                                             float (&ref)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-        float m_new = fmaxf(w.m[r], mx);
-        ref[r] = m_new == -INFINITY ? 0.0f : m_new;
-        float alpha = exp2f(w.m[r] - ref[r]); /* 0 while nothing was seen */
-        w.m[r] = m_new;
-        w.l[r] *= alpha;
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            w.o[n][2 * r] *= alpha;
-            w.o[n][2 * r + 1] *= alpha;
-        }
-    }
-}
-
-/* p = exp2(s - ref) rounded to bf16, packed as the A operand of P V (the
- * accumulator layout of two n-tiles is the m16k16 A layout) */
-template <int D>
-__device__ __forceinline__ void attn_probs(WarpAttn<D> &w, const float (&s)[2][4],
-                                           const float (&ref)[2], uint32_t (&pa)[4]) {
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            __nv_bfloat162 p = __floats2bfloat162_rn(exp2f(s[nt][2 * r] - ref[r]),
-                                                     exp2f(s[nt][2 * r + 1] - ref[r]));
-            w.l[r] += __low2float(p) + __high2float(p);
-            pa[nt * 2 + r] = (uint32_t)__bfloat16_as_ushort(p.x) |
-                             ((uint32_t)__bfloat16_as_ushort(p.y) << 16);
-        }
-}
-
-/* One warp, 16 keys (rows of sk / sv; the first `valid` visible): S = Q K^T
- * for 16 heads, online softmax, O += P V. */
-template <int D>
-__device__ __forceinline__ void attn_warp_tile(WarpAttn<D> &w, const unsigned char *sq,
-                                               const unsigned char *sk, const unsigned char *sv,
-                                               int valid, float scale_log2) {
-    using C = AttnCfg<D>;
-    const int lane = threadIdx.x & 31, tq = lane & 3, mi = lane >> 3, r8 = lane & 7;
-    float s[2][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks++) {
-        uint32_t qa[4], kb[4];
-        /* A: heads 0-7 / 8-15 x dims +0 / +8; B: keys 0-7 / 8-15 x dims +0 / +8 */
-        ldsm_x4(qa, sq + (r8 + (mi & 1) * 8) * C::kRowBytes + (ks * 16 + (mi >> 1) * 8) * 2);
-        ldsm_x4(kb, sk + (r8 + (mi >> 1) * 8) * C::kRowBytes + (ks * 16 + (mi & 1) * 8) * 2);
-        mma_bf16(s[0], qa, kb[0], kb[1]);
-        mma_bf16(s[1], qa, kb[2], kb[3]);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            s[nt][e] = nt * 8 + 2 * tq + (e & 1) < valid ? s[nt][e] * scale_log2 : -INFINITY;
-    float ref[2];
-    uint32_t pa[4];
-    attn_rescale<D>(w, s, ref);
-    attn_probs<D>(w, s, ref, pa);
-#pragma unroll
-    for (int dp = 0; dp < D / 16; dp++) {
-        uint32_t vb[4]; /* transposed: keys 0-7 / 8-15 x dims +0 / +8 */
-        ldsm_x4_t(vb, sv + (r8 + (mi & 1) * 8) * C::kRowBytes + (dp * 16 + (mi >> 1) * 8) * 2);
-        mma_bf16(w.o[2 * dp], pa, vb[0], vb[1]);
-        mma_bf16(w.o[2 * dp + 1], pa, vb[2], vb[3]);
     }
 }
 

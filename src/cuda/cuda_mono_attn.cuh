@@ -70,11 +70,6 @@ struct AttnCta {
     bool poisoned;
 };
 
-struct WarpAttn {
-    float o[kHD / 8][4];
-    float m[2];
-    float l[2];
-};
 
 __device__ int sel_count(const int32_t *sel, int topk) {
     const int lane = threadIdx.x & 31;
@@ -158,73 +153,8 @@ __device__ void attn_load_q(const MonoArgs &a, const AttnCta &c, unsigned char *
     }
 }
 
-__device__ __forceinline__ void attn_rescale(WarpAttn &w, const float (&s)[2][4],
-                                             float (&ref)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-        float m_new = fmaxf(w.m[r], mx);
-        ref[r] = m_new == -INFINITY ? 0.0f : m_new;
-        float alpha = exp2f(w.m[r] - ref[r]);
-        w.m[r] = m_new;
-        w.l[r] *= alpha;
-#pragma unroll
-        for (int n = 0; n < kHD / 8; n++) {
-            w.o[n][2 * r] *= alpha;
-            w.o[n][2 * r + 1] *= alpha;
-        }
-    }
-}
-
-__device__ __forceinline__ void attn_probs(WarpAttn &w, const float (&s)[2][4],
-                                           const float (&ref)[2], uint32_t (&pa)[4]) {
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            __nv_bfloat162 p = __floats2bfloat162_rn(exp2f(s[nt][2 * r] - ref[r]),
-                                                     exp2f(s[nt][2 * r + 1] - ref[r]));
-            w.l[r] += __low2float(p) + __high2float(p);
-            pa[nt * 2 + r] = (uint32_t)__bfloat16_as_ushort(p.x) |
-                             ((uint32_t)__bfloat16_as_ushort(p.y) << 16);
-        }
-}
-
-__device__ __forceinline__ void attn_warp_tile(WarpAttn &w, const unsigned char *sq,
-                                               const unsigned char *sk, const unsigned char *sv,
-                                               int valid, float scale_log2) {
-    const int lane = threadIdx.x & 31, tq = lane & 3, mi = lane >> 3, r8 = lane & 7;
-    float s[2][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < kHD / 16; ks++) {
-        uint32_t qa[4], kb[4];
-        ldsm_x4(qa, sq + (r8 + (mi & 1) * 8) * kRowBytes + (ks * 16 + (mi >> 1) * 8) * 2);
-        ldsm_x4(kb, sk + (r8 + (mi >> 1) * 8) * kRowBytes + (ks * 16 + (mi & 1) * 8) * 2);
-        mma_bf16(s[0], qa, kb[0], kb[1]);
-        mma_bf16(s[1], qa, kb[2], kb[3]);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            s[nt][e] = nt * 8 + 2 * tq + (e & 1) < valid ? s[nt][e] * scale_log2 : -INFINITY;
-    float ref[2];
-    uint32_t pa[4];
-    attn_rescale(w, s, ref);
-    attn_probs(w, s, ref, pa);
-#pragma unroll
-    for (int dp = 0; dp < kHD / 16; dp++) {
-        uint32_t vb[4];
-        ldsm_x4_t(vb, sv + (r8 + (mi & 1) * 8) * kRowBytes + (dp * 16 + (mi >> 1) * 8) * 2);
-        mma_bf16(w.o[2 * dp], pa, vb[0], vb[1]);
-        mma_bf16(w.o[2 * dp + 1], pa, vb[2], vb[3]);
-    }
-}
-
 /* Merge the warps' states and write the split's partial (max, sum, acc). */
-__device__ void attn_partial(const MonoArgs &a, const AttnCta &c, WarpAttn &w,
+__device__ void attn_partial(const MonoArgs &a, const AttnCta &c, WarpAttn<kHD> &w,
                              unsigned char *smem) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     float *s_o = reinterpret_cast<float *>(smem);
@@ -372,7 +302,7 @@ __device__ void att_item(const MonoArgs &a, Ctl &ctl, unsigned char *smem, int i
     if (!faulted) {
         unsigned char *sq = smem + kQOffset;
         const int warp = threadIdx.x >> 5;
-        WarpAttn w;
+        WarpAttn<kHD> w;
 #pragma unroll
         for (int n = 0; n < kHD / 8; n++)
 #pragma unroll
