@@ -32,6 +32,24 @@ __device__ __forceinline__ uint16_t m3_to_bf(float f) {
 
 __device__ __forceinline__ float m3_round_bf(float f) { return m3_bf(m3_to_bf(f)); }
 
+/* eight bf16 (one 16-byte vector, element 2k in the low half of word k) */
+__device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
+    uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        f[2 * k] = __uint_as_float(w[k] << 16);
+        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float f[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        w[k] = (uint32_t)m3_to_bf(f[2 * k]) | ((uint32_t)m3_to_bf(f[2 * k + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 /* the quiet NaN the kernels write for broken metadata (tests look for it) */
 __device__ __forceinline__ float m3_qnan() { return __int_as_float(0x7fc00000); }
 

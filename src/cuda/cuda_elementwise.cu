@@ -32,24 +32,6 @@ static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; 
 
 static inline int round_up32(int64_t n) { return (int)((n + 31) / 32 * 32); }
 
-/* eight bf16 (one 16-byte vector, element 2k in the low half of word k) */
-__device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
-    uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        f[2 * k] = __uint_as_float(w[k] << 16);
-        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ uint4 pack8(const float f[8]) {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++)
-        w[k] = (uint32_t)m3_to_bf(f[2 * k]) | ((uint32_t)m3_to_bf(f[2 * k + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 /* Sum over the block in double (blockDim.x a multiple of 32); every thread
  * gets the result. Called once per kernel, so no barrier guards scratch. */
 __device__ __forceinline__ double block_sum_d(double v, double *scratch) {

@@ -34,17 +34,6 @@ struct gemv_weight {
     int64_t s_row;         /* bytes */
 };
 
-__device__ __forceinline__ void bf16x8_to_f32(uint4 v, float f[8]) {
-    f[0] = __uint_as_float(v.x << 16);
-    f[1] = __uint_as_float(v.x & 0xffff0000u);
-    f[2] = __uint_as_float(v.y << 16);
-    f[3] = __uint_as_float(v.y & 0xffff0000u);
-    f[4] = __uint_as_float(v.z << 16);
-    f[5] = __uint_as_float(v.z & 0xffff0000u);
-    f[6] = __uint_as_float(v.w << 16);
-    f[7] = __uint_as_float(v.w & 0xffff0000u);
-}
-
 __device__ __forceinline__ void e4m3x8_to_f32(uint2 v, float scale, float f[8]) {
     const uint32_t words[2] = {v.x, v.y};
 #pragma unroll
@@ -98,11 +87,11 @@ __device__ __forceinline__ void gemv_chunk_bf16(float (&acc)[GEMV_R][T], const g
         float wf[GEMV_R][8];
 #pragma unroll
         for (int r = 0; r < GEMV_R; r++)
-            bf16x8_to_f32(wv[r][u], wf[r]);
+            unpack8(wv[r][u], wf[r]);
 #pragma unroll
         for (int t = 0; t < T; t++) {
             float xf[8];
-            bf16x8_to_f32(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
+            unpack8(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
 #pragma unroll
             for (int r = 0; r < GEMV_R; r++)
 #pragma unroll
@@ -142,7 +131,7 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_w
 #pragma unroll
             for (int t = 0; t < T; t++) {
                 float xf[8];
-                bf16x8_to_f32(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
+                unpack8(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
 #pragma unroll
                 for (int r = 0; r < GEMV_R; r++)
 #pragma unroll

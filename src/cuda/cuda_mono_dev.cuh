@@ -10,23 +10,6 @@ namespace m3mono {
 
 /* ================================================================ helpers */
 
-__device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
-    uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        f[2 * k] = __uint_as_float(w[k] << 16);
-        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ uint4 pack8(const float f[8]) {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++)
-        w[k] = (uint32_t)m3_to_bf(f[2 * k]) | ((uint32_t)m3_to_bf(f[2 * k + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 __device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -377,12 +360,12 @@ __device__ __forceinline__ void chunk_fma(float (&acc)[kRW][NR], const WBuf<FP8>
             if constexpr (FP8)
                 e4m3x8_to_f32(b.wv[r][u], b.sc[r][u], wf[r]);
             else
-                bf16x8_to_f32(b.wv[r][u], wf[r]);
+                unpack8(b.wv[r][u], wf[r]);
         }
 #pragma unroll
         for (int t = 0; t < NR; t++) {
             float xf[8];
-            bf16x8_to_f32(*reinterpret_cast<const uint4 *>(xs + t * kKC + k), xf);
+            unpack8(*reinterpret_cast<const uint4 *>(xs + t * kKC + k), xf);
 #pragma unroll
             for (int r = 0; r < kRW; r++)
 #pragma unroll
