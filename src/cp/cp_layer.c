@@ -44,14 +44,8 @@ m3_status m3_cp_select_rows(m3_comm *comm, const m3_cp_rows *r, float scale,
                 memcpy(qt + ((size_t)t * H + (size_t)k * Nl + i) * Di,
                        all + (((size_t)k * T + t) * Nl + i) * Di, (size_t)Di * 2);
     if (!st_) {
-        m3_cp_score_inputs in;
-        int64_t ne_q[3] = {T, H, Di}, ne_c[3] = {r->n_pages, M3_CP_BLOCK, Di};
-        int64_t ne_t[2] = {r->n_reqs, r->table_width}, ne_l[1] = {r->n_reqs};
-        in.q = m3_tensor_make(M3_DT_BF16, 3, ne_q, qt);
-        in.icache = m3_tensor_make(M3_DT_BF16, 3, ne_c, (void *)r->icache);
-        in.table = m3_tensor_make(M3_DT_I32, 2, ne_t, (void *)r->table);
-        in.lens = m3_tensor_make(M3_DT_I32, 1, ne_l, (void *)r->lens);
-        in.q_device = in.icache_device = in.table_device = in.lens_device = M3_CP_HOST;
+        m3_cp_score_inputs in = m3_cp_host_inputs(T, H, Di, r->n_pages, r->n_reqs, r->table_width,
+                                                  qt, r->icache, r->table, r->lens);
         st_ = m3_cp_context_scores(&in, r->max_seq_len, comm->rank, W, q, scale, &scores);
         if (st_) /* the peers wait in the key gather */
             comm->ops->abort(comm, m3_last_error());

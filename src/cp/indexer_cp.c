@@ -435,3 +435,18 @@ m3_status m3_cp_select_blocks(m3_comm *c, const m3_tensor *scores, const int32_t
     free(all);
     return st;
 }
+
+m3_cp_score_inputs m3_cp_host_inputs(int64_t tokens, int64_t heads, int64_t dim, int64_t pages,
+                                     int64_t reqs, int64_t table_width, const void *q,
+                                     const void *icache, const int32_t *table,
+                                     const int32_t *lens) {
+    m3_cp_score_inputs in;
+    const int64_t ne_q[3] = {tokens, heads, dim}, ne_c[3] = {pages, M3_CP_BLOCK, dim};
+    const int64_t ne_t[2] = {reqs, table_width}, ne_l[1] = {reqs};
+    in.q = m3_tensor_make(M3_DT_BF16, 3, ne_q, (void *)q);
+    in.icache = m3_tensor_make(M3_DT_BF16, 3, ne_c, (void *)icache);
+    in.table = m3_tensor_make(M3_DT_I32, 2, ne_t, (void *)table);
+    in.lens = m3_tensor_make(M3_DT_I32, 1, ne_l, (void *)lens);
+    in.q_device = in.icache_device = in.table_device = in.lens_device = M3_CP_HOST;
+    return in;
+}

@@ -59,6 +59,13 @@ typedef struct m3_cp_score_inputs {
     int q_device, icache_device, table_device, lens_device;
 } m3_cp_score_inputs;
 
+/* Inputs in host memory: q [tokens, heads, dim] and icache [pages, 128,
+ * dim] bf16, table [reqs, table_width] and lens [reqs] int32. */
+m3_cp_score_inputs m3_cp_host_inputs(int64_t tokens, int64_t heads, int64_t dim, int64_t pages,
+                                     int64_t reqs, int64_t table_width, const void *q,
+                                     const void *icache, const int32_t *table,
+                                     const int32_t *lens);
+
 /* ceil(max_seq_len / 128): global blocks a capture-stable bound spans. */
 int64_t m3_cp_global_blocks(int64_t max_seq_len);
 /* ceil(global_blocks / world): local slots per rank. */

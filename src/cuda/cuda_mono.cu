@@ -284,9 +284,7 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     m->P = (cu->sm_count > 0 ? cu->sm_count : 1) * occ;
     /* performance experiments: M3_MONO_CTAS caps the CTAs per launch (any
      * count is correct: every dependency points to an earlier item) */
-    const char *cap = getenv("M3_MONO_CTAS");
-    if (cap && atoi(cap) > 0 && atoi(cap) < m->P)
-        m->P = atoi(cap);
+    m->P = env_int("M3_MONO_CTAS", m->P, 1, m->P);
     /* M3_MONO_SPIN_NS: a waiting CTA's sleep between polls of a counter;
      * M3_MONO_PF_CHUNKS: how many 1024-column chunks ahead a GEMV item asks
      * L2 for its weights (0: none); M3_MONO_POLL_ACQUIRE=1: every poll an

@@ -112,15 +112,8 @@ static void free_dataset(dataset *d) {
 }
 
 static m3_cp_score_inputs host_inputs(dataset *d) {
-    m3_cp_score_inputs in = {0};
-    int64_t qne[3] = {d->tokens, HEADS, D}, cne[3] = {PAGES, BLK, D}, tne[2] = {BATCH, TABLE_W},
-            lne[1] = {BATCH};
-    in.q = m3_tensor_make(M3_DT_BF16, 3, qne, d->q);
-    in.icache = m3_tensor_make(M3_DT_BF16, 3, cne, d->cache);
-    in.table = m3_tensor_make(M3_DT_I32, 2, tne, d->table);
-    in.lens = m3_tensor_make(M3_DT_I32, 1, lne, d->lens);
-    in.q_device = in.icache_device = in.table_device = in.lens_device = M3_CP_HOST;
-    return in;
+    return m3_cp_host_inputs(d->tokens, HEADS, D, PAGES, BATCH, TABLE_W, d->q, d->cache,
+                             &d->table[0][0], d->lens);
 }
 
 static m3_cuda_cp_inputs dev_inputs(dataset *d) {
