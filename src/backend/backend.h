@@ -67,6 +67,9 @@ typedef struct m3_backend_ops {
     m3_status (*upload)(m3_backend *be, void *dst, const void *src, size_t bytes);
     m3_status (*download)(m3_backend *be, void *dst, const void *src, size_t bytes);
     m3_status (*sync)(m3_backend *be);
+    /* Make the calling thread use this backend's device (a TP rank's thread
+     * before its work; NULL: nothing to do, as on the CPU). */
+    m3_status (*bind_thread)(m3_backend *be);
     /* The backend's copy of the weights (CPU: the host views themselves). */
     m3_status (*load_weights)(m3_backend *be, const m3_config *cfg, const m3_weights *host,
                               m3_weights *out);

@@ -7,6 +7,7 @@
 
 #ifndef M3_HAVE_CUDA
 #include "cuda/cuda_bench.h"
+#include "cuda/cuda_comm.h"
 #include "cuda/cuda_cp.h"
 #include "cuda/cuda_mono.h"
 
@@ -53,7 +54,12 @@ void m3_cuda_mono_free(m3_cuda_mono *m) {}
 
 void *m3_cuda_mono_landing(m3_cuda_mono *m) { return NULL; }
 
-m3_status m3_cuda_mono_set_peers(m3_cuda_mono *m, void *const *landings, int world) {
+m3_status m3_cuda_mono_set_peers(m3_cuda_mono *m, void *const *landings,
+                                 int32_t *const *faults, int world) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_mono_abort_all(m3_cuda_mono *m) {
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 
@@ -116,6 +122,25 @@ m3_status m3_cuda_cp_error(m3_backend *be, const int *err) {
 
 m3_status m3_cuda_bench_indexer(m3_backend *be, int batch, int64_t context, int world, int heads,
                                 const m3_select_params *p, int iters, double *us, double *bytes) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+/* tensor parallelism over GPUs (cuda/cuda_comm.h) */
+m3_status m3_gpu_group_create(const int *devices, int world, int64_t timeout_ms,
+                              m3_gpu_group **out) {
+    *out = NULL;
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+void m3_gpu_group_free(m3_gpu_group *g) {}
+
+m3_status m3_gpu_group_enable_peers(m3_gpu_group *g) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
+m3_status m3_cuda_comm_create(m3_gpu_group *g, int rank, m3_backend *be, m3_comm *host,
+                              m3_comm **out) {
+    *out = NULL;
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 #else

@@ -66,16 +66,24 @@ static m3_status cuda_upload(m3_backend *be, void *dst, const void *src, size_t 
     return M3_OK;
 }
 
-static m3_status cuda_download(m3_backend *be, void *dst, const void *src, size_t bytes) {
-    m3_cuda *cu = m3_cuda_of(be);
-    if (bytes)
-        M3_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cu->stream));
+extern "C" m3_status m3_cuda_stream_wait(m3_cuda *cu) {
+    if (cu->wait)
+        return cu->wait(cu, cu->wait_arg);
     M3_CUDA_TRY(cudaStreamSynchronize(cu->stream));
     return M3_OK;
 }
 
-static m3_status cuda_sync(m3_backend *be) {
-    M3_CUDA_TRY(cudaStreamSynchronize(m3_cuda_of(be)->stream));
+static m3_status cuda_download(m3_backend *be, void *dst, const void *src, size_t bytes) {
+    m3_cuda *cu = m3_cuda_of(be);
+    if (bytes)
+        M3_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cu->stream));
+    return m3_cuda_stream_wait(cu);
+}
+
+static m3_status cuda_sync(m3_backend *be) { return m3_cuda_stream_wait(m3_cuda_of(be)); }
+
+static m3_status cuda_bind_thread(m3_backend *be) {
+    M3_CUDA_TRY(cudaSetDevice(m3_cuda_of(be)->device));
     return M3_OK;
 }
 
@@ -278,6 +286,7 @@ static void cuda_destroy(m3_backend *be) {
         return;
     m3_cuda *cu = m3_cuda_of(be);
     if (cu) {
+        cudaSetDevice(cu->device); /* TP: the caller's thread may be on another GPU */
         if (cu->stream)
             cudaStreamSynchronize(cu->stream);
         for (int i = 0; i < M3_CUDA_WORKSPACES; i++)
@@ -305,6 +314,7 @@ static const m3_backend_ops cuda_ops = {
     .upload = cuda_upload,
     .download = cuda_download,
     .sync = cuda_sync,
+    .bind_thread = cuda_bind_thread,
     .load_weights = cuda_load_weights,
     .unload_weights = cuda_unload_weights,
     .embed = m3_cuda_embed,

@@ -40,6 +40,7 @@ enum m3_cuda_workspace_slot {
     M3_CUDA_WS_LINEAR,        /* dequantised MXFP8 weights for large row counts */
     M3_CUDA_WS_SAMPLE,        /* sampling partials */
     M3_CUDA_WS_MISC,
+    M3_CUDA_WS_COMM,          /* TP: the ranks' gathered values, summed in rank order */
 };
 
 typedef struct m3_cuda {
@@ -58,6 +59,10 @@ typedef struct m3_cuda {
      * so they live until the backend is destroyed */
     void **retired;
     int n_retired, cap_retired;
+    /* TP over GPUs (cuda_comm.cu): waits for the stream go through the
+     * group, which bounds them and ends them when a peer fails */
+    m3_status (*wait)(struct m3_cuda *cu, void *arg);
+    void *wait_arg;
 } m3_cuda;
 
 static inline m3_cuda *m3_cuda_of(m3_backend *be) { return (m3_cuda *)be->impl; }
@@ -78,6 +83,9 @@ m3_status m3_cuda_error(cudaError_t err, const char *what, const char *file, int
         if (m3_cuda_e_ != cudaSuccess)                                            \
             return m3_cuda_error(m3_cuda_e_, (what), __FILE__, __LINE__);         \
     } while (0)
+
+/* Wait until everything launched on cu->stream has run (bounded at TP). */
+m3_status m3_cuda_stream_wait(m3_cuda *cu);
 
 /* Scratch buffer `slot` of at least bytes (256-byte aligned). Grows outside
  * capture; while capturing a growth is an error (a warm-up step must have

@@ -169,13 +169,20 @@ __global__ void __launch_bounds__(GEMV_THREADS)
     }
 }
 
-/* eout[m, n] = bf16(act[m] . down[n]) for the members m of slot u's expert. */
-template <int T, bool FP8>
+/* A down output: rounded to bf16 (TP 1), or kept as an fp32 partial sum
+ * (TP > 1: rounded after the all-reduce, in the combine). */
+__device__ __forceinline__ void down_store(uint16_t *p, float v) { *p = m3_to_bf(v); }
+__device__ __forceinline__ void down_store(float *p, float v) { *p = v; }
+__device__ __forceinline__ float down_load(const uint16_t *p) { return m3_bf(*p); }
+__device__ __forceinline__ float down_load(const float *p) { return m3_round_bf(*p); }
+
+/* eout[m, n] = act[m] . down[n] for the members m of slot u's expert. */
+template <int T, bool FP8, typename Out>
 __global__ void __launch_bounds__(GEMV_THREADS)
     moe_down_kernel(expert_weights down, const uint16_t *__restrict__ act, int H, int I,
                     const int32_t *__restrict__ uniq, const int32_t *__restrict__ first,
                     const int32_t *__restrict__ members, const int32_t *__restrict__ n_uniq,
-                    uint16_t *__restrict__ eout) {
+                    Out *__restrict__ eout) {
     extern __shared__ uint4 smem_x[];
     uint16_t *xs = reinterpret_cast<uint16_t *>(smem_x);
     int u = blockIdx.y;
@@ -194,14 +201,16 @@ __global__ void __launch_bounds__(GEMV_THREADS)
 #pragma unroll
             for (int t = 0; t < T; t++)
                 if ((r * T + t) % 32 == lane && n0 + r < H && t < rows)
-                    eout[(int64_t)members[g0 + t] * H + n0 + r] = m3_to_bf(y[r][t]);
+                    down_store(&eout[(int64_t)members[g0 + t] * H + n0 + r], y[r][t]);
     }
 }
 
 /* y = bf16(scaling * sum_s w[t,s] eout[t*k+s] + shared[t]), the sum in
- * fp32 in routing-rank order. */
-__global__ void moe_combine_kernel(const float *__restrict__ w, const uint16_t *__restrict__ eout,
-                                   const uint16_t *__restrict__ shared, int rows, int k, int H,
+ * fp32 in routing-rank order; each expert's and the shared expert's output
+ * rounded to bf16 first (at TP > 1 here, after the all-reduce). */
+template <typename In>
+__global__ void moe_combine_kernel(const float *__restrict__ w, const In *__restrict__ eout,
+                                   const In *__restrict__ shared, int rows, int k, int H,
                                    float scaling, uint16_t *__restrict__ out) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)rows * H)
@@ -209,10 +218,10 @@ __global__ void moe_combine_kernel(const float *__restrict__ w, const uint16_t *
     int64_t t = i / H, h = i % H;
     float acc = 0.0f;
     for (int s = 0; s < k; s++)
-        acc += w[t * k + s] * m3_bf(eout[(t * k + s) * H + h]);
+        acc += w[t * k + s] * down_load(&eout[(t * k + s) * H + h]);
     float y = scaling * acc;
     if (shared)
-        y += m3_bf(shared[i]);
+        y += down_load(&shared[i]);
     out[i] = m3_to_bf(y);
 }
 
@@ -221,16 +230,17 @@ __global__ void moe_combine_kernel(const float *__restrict__ w, const uint16_t *
 typedef struct moe_ws {
     float *logits, *weights;
     int32_t *ids, *uniq, *first, *members, *n_uniq;
-    uint16_t *act, *eout, *sh_gate, *sh_up, *sh_act, *shared;
+    uint16_t *act, *sh_gate, *sh_up, *sh_act;
+    void *eout, *shared; /* bf16, or fp32 partials at TP > 1 (out_size 4) */
 } moe_ws;
 
 static m3_status carve(m3_cuda *cu, int T, int E, int k, int64_t H, int64_t I, int64_t Is,
-                       moe_ws *w) {
+                       int out_size, moe_ws *w) {
     int64_t n = (int64_t)T * k;
     size_t sizes[13] = {(size_t)T * E * 4, (size_t)n * 4, (size_t)n * 4, (size_t)E * 4,
                         (size_t)(E + 1) * 4, (size_t)n * 4, 4, (size_t)(n * I * 2),
-                        (size_t)(n * H * 2), (size_t)(T * Is * 2), (size_t)(T * Is * 2),
-                        (size_t)(T * Is * 2), (size_t)(T * H * 2)};
+                        (size_t)(n * H * out_size), (size_t)(T * Is * 2), (size_t)(T * Is * 2),
+                        (size_t)(T * Is * 2), (size_t)(T * H * out_size)};
     size_t total = 0;
     for (int i = 0; i < 13; i++)
         total += (sizes[i] + 255) / 256 * 256;
@@ -249,11 +259,11 @@ static m3_status carve(m3_cuda *cu, int T, int E, int k, int64_t H, int64_t I, i
     w->members = (int32_t *)p[5];
     w->n_uniq = (int32_t *)p[6];
     w->act = (uint16_t *)p[7];
-    w->eout = (uint16_t *)p[8];
+    w->eout = p[8];
     w->sh_gate = (uint16_t *)p[9];
     w->sh_up = (uint16_t *)p[10];
     w->sh_act = (uint16_t *)p[11];
-    w->shared = (uint16_t *)p[12];
+    w->shared = p[12];
     return M3_OK;
 }
 
@@ -290,8 +300,12 @@ static m3_status launch_experts_t(m3_cuda *cu, const expert_weights &g, const ex
     M3_CUDA_LAUNCHED("moe_gate_up_kernel");
     dim3 grid_down((unsigned)((H + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R)),
                    (unsigned)slots);
-    moe_down_kernel<T, FP8><<<grid_down, GEMV_THREADS, smem, cu->stream>>>(
-        d, w.act, H, I, w.uniq, w.first, w.members, w.n_uniq, w.eout);
+    if (p->tp && p->tp->world > 1)
+        moe_down_kernel<T, FP8, float><<<grid_down, GEMV_THREADS, smem, cu->stream>>>(
+            d, w.act, H, I, w.uniq, w.first, w.members, w.n_uniq, (float *)w.eout);
+    else
+        moe_down_kernel<T, FP8, uint16_t><<<grid_down, GEMV_THREADS, smem, cu->stream>>>(
+            d, w.act, H, I, w.uniq, w.first, w.members, w.n_uniq, (uint16_t *)w.eout);
     M3_CUDA_LAUNCHED("moe_down_kernel");
     return M3_OK;
 }
@@ -331,9 +345,7 @@ extern "C" m3_status m3_cuda_moe(m3_backend *be, int rows, const uint16_t *x,
                                  const m3_layer_weights *lw, const m3_moe_params *p,
                                  uint16_t *out) {
     m3_cuda *cu = m3_cuda_of(be);
-    if (p->tp && p->tp->world > 1)
-        return m3_fail(M3_ERR_UNSUPPORTED, "moe: sharded experts (TP %d) are not built on CUDA "
-                       "yet: tensor parallelism over GPUs is the multi-GPU path", p->tp->world);
+    bool tp = p->tp && p->tp->world > 1; /* lw holds this rank's slice of every width */
     int E = p->num_experts, k = p->top_k;
     int64_t H = lw->router.ne[1], I = lw->exp_gate[0].w.ne[0];
     int64_t Is = lw->sh_gate.w.data ? lw->sh_gate.w.ne[0] : 0;
@@ -346,7 +358,7 @@ extern "C" m3_status m3_cuda_moe(m3_backend *be, int rows, const uint16_t *x,
     M3_TRY(expert_layout(lw->exp_down, E, "down", &d));
     bool fp8 = lw->exp_gate[0].w.dtype == M3_DT_F8_E4M3;
     moe_ws w;
-    M3_TRY(carve(cu, rows, E, k, H, I, Is, &w));
+    M3_TRY(carve(cu, rows, E, k, H, I, Is, tp ? 4 : 2, &w));
     cu->moe_n_uniq = w.n_uniq;
 
     M3_TRY(m3_cuda_linear_f32w(cu, rows, x, (const float *)lw->router.data, E, H, w.logits));
@@ -366,11 +378,23 @@ extern "C" m3_status m3_cuda_moe(m3_backend *be, int rows, const uint16_t *x,
         M3_TRY(m3_cuda_linear(be, rows, x, &lw->sh_gate, M3_DT_BF16, w.sh_gate));
         M3_TRY(m3_cuda_linear(be, rows, x, &lw->sh_up, M3_DT_BF16, w.sh_up));
         M3_TRY(m3_cuda_swiglu(be, (int64_t)rows * Is, w.sh_gate, w.sh_up, &p->act, w.sh_act));
-        M3_TRY(m3_cuda_linear(be, rows, w.sh_act, &lw->sh_down, M3_DT_BF16, w.shared));
+        M3_TRY(m3_cuda_linear(be, rows, w.sh_act, &lw->sh_down, tp ? M3_DT_F32 : M3_DT_BF16,
+                              w.shared));
     }
     int64_t total = (int64_t)rows * H;
-    moe_combine_kernel<<<(unsigned)((total + 255) / 256), 256, 0, cu->stream>>>(
-        w.weights, w.eout, Is ? w.shared : NULL, rows, k, (int)H, p->routed_scaling, out);
+    unsigned grid = (unsigned)((total + 255) / 256);
+    if (tp) { /* whole down outputs on every rank, summed in rank order, then rounded */
+        M3_TRY(p->tp->ops->all_reduce_sum_f32(p->tp, (float *)w.eout, (int64_t)n * H));
+        if (Is)
+            M3_TRY(p->tp->ops->all_reduce_sum_f32(p->tp, (float *)w.shared, total));
+        moe_combine_kernel<float><<<grid, 256, 0, cu->stream>>>(
+            w.weights, (const float *)w.eout, Is ? (const float *)w.shared : NULL, rows, k,
+            (int)H, p->routed_scaling, out);
+    } else {
+        moe_combine_kernel<uint16_t><<<grid, 256, 0, cu->stream>>>(
+            w.weights, (const uint16_t *)w.eout, Is ? (const uint16_t *)w.shared : NULL, rows, k,
+            (int)H, p->routed_scaling, out);
+    }
     M3_CUDA_LAUNCHED("moe_combine_kernel");
     return M3_OK;
 }

@@ -128,6 +128,8 @@ struct m3_cuda_mono {
     size_t landing_bytes;
     uint2 **peers_dev;  /* [world] */
     bool peers_set;
+    int32_t *peer_faults[M3_MAX_TP]; /* world > 1: every rank's fault word */
+    cudaStream_t side;  /* world > 1: marks peers' fault words (abort_all) */
     unsigned long long *trace; /* M3_MONO_TRACE: item trace (cudaMalloc'd) */
     unsigned *trace_n;
     unsigned trace_cap;
@@ -410,6 +412,8 @@ extern "C" void m3_cuda_mono_free(m3_cuda_mono *m) {
     }
     cudaFree(m->trace);
     cudaFree(m->trace_n);
+    if (m->side)
+        cudaStreamDestroy(m->side);
     free(m);
 }
 
@@ -460,9 +464,14 @@ extern "C" void *m3_cuda_mono_landing(m3_cuda_mono *m) {
     return m && m->world > 1 ? (void *)m->landing : NULL;
 }
 
-extern "C" m3_status m3_cuda_mono_set_peers(m3_cuda_mono *m, void *const *landings, int world) {
-    if (!m || !landings)
-        return MONO_FAIL(M3_ERR_INVALID_ARG, "set_peers: executor and landing areas are required");
+extern "C" m3_status m3_cuda_mono_set_peers(m3_cuda_mono *m, void *const *landings,
+                                            int32_t *const *faults, int world) {
+    if (!m || !landings || !faults)
+        return MONO_FAIL(M3_ERR_INVALID_ARG,
+                         "set_peers: executor, landing areas and fault words are required");
+    if (world > M3_MAX_TP)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "set_peers: TP world %d (at most %d)", world,
+                         M3_MAX_TP);
     if (world != m->world)
         return MONO_FAIL(M3_ERR_INVALID_ARG, "set_peers: %d landing areas for a TP world of %d",
                          world, m->world);
@@ -472,11 +481,19 @@ extern "C" m3_status m3_cuda_mono_set_peers(m3_cuda_mono *m, void *const *landin
         if (!landings[r] || ((uintptr_t)landings[r] & 15))
             return MONO_FAIL(M3_ERR_INVALID_ARG, "set_peers: rank %d's landing area %p is invalid",
                              r, landings[r]);
-    if (landings[m->rank] != (void *)m->landing)
+    if (landings[m->rank] != (void *)m->landing || faults[m->rank] != m->fault)
         return MONO_FAIL(M3_ERR_INVALID_ARG,
-                         "set_peers: entry %d is not this rank's landing area", m->rank);
+                         "set_peers: entry %d is not this rank's landing area and fault word",
+                         m->rank);
+    for (int r = 0; r < world; r++)
+        if (!faults[r])
+            return MONO_FAIL(M3_ERR_INVALID_ARG, "set_peers: rank %d has no fault word", r);
     M3_CUDA_TRY(cudaMemcpy(m->peers_dev, landings, (size_t)world * sizeof(void *),
                            cudaMemcpyHostToDevice));
+    if (!m->side)
+        M3_CUDA_TRY(cudaStreamCreateWithFlags(&m->side, cudaStreamNonBlocking));
+    for (int r = 0; r < world; r++)
+        m->peer_faults[r] = faults[r];
     m->peers_set = true;
     return M3_OK;
 }
@@ -753,14 +770,36 @@ extern "C" m3_status m3_cuda_mono_set_fault(m3_cuda_mono *m, int code, int layer
     return launch_set(m->cu->stream, m->fault, code, layer);
 }
 
+extern "C" m3_status m3_cuda_mono_abort_all(m3_cuda_mono *m) {
+    if (!m)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "abort_all: no executor");
+    if (m->world == 1 || !m->peers_set) /* this rank is every rank */
+        return m3_cuda_mono_set_fault(m, M3_MONO_FAULT_ABORTED, -1);
+    /* Not through the rank's stream: it may hold a kernel that waits on a
+     * push this rank will never make. A word already set keeps its fault
+     * (the read and the write are not one atomic step: a fault landing in
+     * between is overwritten by ABORTED, which still ends the step). */
+    static const int32_t aborted[4] = {M3_MONO_FAULT_ABORTED, -1, -1, 0};
+    for (int r = 0; r < m->world; r++) {
+        int32_t now[4];
+        M3_CUDA_TRY(cudaMemcpyAsync(now, m->peer_faults[r], sizeof now, cudaMemcpyDeviceToHost,
+                                    m->side));
+        M3_CUDA_TRY(cudaStreamSynchronize(m->side));
+        if (now[0] == 0)
+            M3_CUDA_TRY(cudaMemcpyAsync(m->peer_faults[r], aborted, sizeof aborted,
+                                        cudaMemcpyHostToDevice, m->side));
+    }
+    M3_CUDA_TRY(cudaStreamSynchronize(m->side));
+    return M3_OK;
+}
+
 extern "C" m3_status m3_cuda_mono_read_fault(m3_cuda_mono *m, int32_t out[4]) {
     if (!m || !out)
         return MONO_FAIL(M3_ERR_INVALID_ARG, "read_fault: executor and output are required");
     if (m->cu->capturing)
         return MONO_FAIL(M3_ERR_INVALID_ARG, "read_fault during graph capture");
     M3_CUDA_TRY(cudaMemcpyAsync(out, m->fault, 16, cudaMemcpyDeviceToHost, m->cu->stream));
-    M3_CUDA_TRY(cudaStreamSynchronize(m->cu->stream));
-    return M3_OK;
+    return m3_cuda_stream_wait(m->cu);
 }
 
 extern "C" m3_status m3_cuda_mono_clear_fault(m3_cuda_mono *m) {
@@ -769,6 +808,5 @@ extern "C" m3_status m3_cuda_mono_clear_fault(m3_cuda_mono *m) {
     if (m->cu->capturing)
         return MONO_FAIL(M3_ERR_INVALID_ARG, "clear_fault during graph capture");
     M3_CUDA_TRY(cudaMemsetAsync(m->fault, 0, 16, m->cu->stream));
-    M3_CUDA_TRY(cudaStreamSynchronize(m->cu->stream));
-    return M3_OK;
+    return m3_cuda_stream_wait(m->cu);
 }

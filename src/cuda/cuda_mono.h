@@ -56,9 +56,15 @@ void m3_cuda_mono_free(m3_cuda_mono *m);
 
 /* world > 1: this rank's landing area (device memory other ranks write
  * into) and, once every rank has created its executor and peer access is
- * enabled, every rank's landing area in rank order. */
+ * enabled, every rank's landing area and fault word
+ * (m3_cuda_mono_fault_word) in rank order. */
 void *m3_cuda_mono_landing(m3_cuda_mono *m);
-m3_status m3_cuda_mono_set_peers(m3_cuda_mono *m, void *const *landings, int world);
+m3_status m3_cuda_mono_set_peers(m3_cuda_mono *m, void *const *landings,
+                                 int32_t *const *faults, int world);
+/* Abort a launched step on every rank: mark every rank's fault word
+ * ABORTED (where still clear), through a stream of its own, so it lands
+ * while peers' kernels are still waiting on this rank's pushes. */
+m3_status m3_cuda_mono_abort_all(m3_cuda_mono *m);
 
 /* One layer for the step's rows (st->rows <= 16, decode: one row per
  * request; metadata read from st->dev only). lw: the backend's device

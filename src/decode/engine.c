@@ -13,6 +13,7 @@
 #include "core/pool.h"
 #include "core/status.h"
 #include "cpu/cpu_mono.h"
+#include "cuda/cuda_comm.h"
 #include "decode/engine.h"
 #include "mono/mono.h"
 #include "model/shard.h"
@@ -160,6 +161,8 @@ static m3_status check_opts(const m3_config *c, m3_engine_opts *o) {
 static void free_rank(m3_engine *e) {
     if (!e)
         return;
+    if (e->be && e->be->ops->bind_thread)
+        e->be->ops->bind_thread(e->be); /* a GPU rank frees on its own GPU */
     m3_mono_free(e->mono);
     if (e->be) {
         free_graphs(e);
@@ -177,13 +180,17 @@ static void free_rank(m3_engine *e) {
                     e->be->ops->release(e->be, ptrs[k]);
         }
         e->be->ops->unload_weights(e->be, &e->cfg, &e->w);
+        if (e->own_comm) { /* it hooks the backend's stream waits: before the backend */
+            m3_comm_free(e->comm);
+            e->comm = NULL;
+        }
         e->be->ops->destroy(e->be);
     }
     m3_cache_destroy(&e->cache);
     if (e->shard.layers)
         m3_tp_shard_free(&e->model->cfg, &e->shard);
     if (e->tp_size <= 1)
-        m3_comm_free(e->comm); /* at TP > 1 the front owns the group's comms */
+        m3_comm_free(e->comm); /* at TP > 1 the front owns the host comms */
     free(e);
 }
 
@@ -194,6 +201,7 @@ void m3_engine_free(m3_engine *e) {
         free_rank(e->ranks[r]);
         m3_comm_free(e->rank_comms[r]);
     }
+    m3_gpu_group_free(e->gpu_group);
     m3_cpu_mono_group_free(e->mono_group);
     if (e->ranks[0])
         free(e); /* a front holds nothing else */
@@ -204,7 +212,7 @@ void m3_engine_free(m3_engine *e) {
 /* One rank's engine: its backend, weights (the model's, or at TP > 1 this
  * rank's shard), cache, scratch and step buffers. */
 static m3_status create_rank(m3_model *model, const m3_engine_opts *opts, int rank, int tp,
-                             m3_comm *comm, m3_engine **out) {
+                             m3_comm *comm, struct m3_gpu_group *gpus, m3_engine **out) {
     *out = NULL;
     m3_engine *e = m3_calloc(1, sizeof *e, "engine");
     if (!e)
@@ -240,6 +248,12 @@ static m3_status create_rank(m3_model *model, const m3_engine_opts *opts, int ra
     }
     if (!st && !comm)
         st = m3_comm_create_single(&e->comm);
+    if (!st && gpus) { /* collectives through NCCL, decisions through comm */
+        st = m3_cuda_comm_create(gpus, rank, e->be, comm, &e->comm);
+        e->own_comm = !st;
+        if (st)
+            e->comm = comm;
+    }
     const m3_weights *host = &model->w;
     if (!st && tp > 1) {
         st = m3_tp_shard(&model->cfg, &model->w, rank, tp, &e->shard);
@@ -289,6 +303,31 @@ static m3_status start_mono_rank(m3_engine *rank, void *front) {
     return start_mono(f, rank, f->mono_group);
 }
 
+/* GPUs at TP > 1: peer access between them, then every rank's fused
+ * kernels learn their peers. Under auto a failure turns mono off on every
+ * rank (the reason kept, as for a refusal); under mono it fails. */
+static m3_status connect_gpus(m3_engine *f) {
+    m3_mono *monos[M3_MAX_TP];
+    for (int r = 0; r < f->tp_size; r++)
+        monos[r] = f->ranks[r]->mono;
+    m3_status st = m3_gpu_group_enable_peers(f->gpu_group);
+    if (!st)
+        st = m3_mono_connect_gpus(monos, f->tp_size);
+    if (!st || f->opts.decode != M3_DECODE_AUTO)
+        return st;
+    snprintf(f->mono_refused, sizeof f->mono_refused, "mono decode refused: %s",
+             m3_last_error());
+    for (int r = 0; r < f->tp_size; r++) {
+        m3_engine *e = f->ranks[r];
+        snprintf(e->mono_refused, sizeof e->mono_refused, "%s", f->mono_refused);
+        if (e->be->ops->bind_thread)
+            e->be->ops->bind_thread(e->be);
+        m3_mono_free(e->mono);
+        e->mono = NULL;
+    }
+    return M3_OK;
+}
+
 const char *m3_engine_mono_refusal(const m3_engine *e) { return e->mono_refused; }
 
 m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engine **out) {
@@ -309,13 +348,10 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
     if (!st && o.indexer_cp && tp > model->cfg.num_kv_heads)
         st = m3_fail(M3_ERR_UNSUPPORTED, "--indexer-cp with tp = %d: each rank must own its own "
                      "index head, and the model has %d", tp, model->cfg.num_kv_heads);
-    if (!st && tp > 1 && o.device == M3_DEVICE_CUDA)
-        st = m3_fail(M3_ERR_UNSUPPORTED, "--tp %d with --device cuda: tensor parallelism over "
-                     "GPUs is not built yet (TP runs on the CPU backend)", tp);
     if (st)
         return m3_fail_context(st, "creating the engine");
     if (tp == 1) {
-        st = create_rank(model, &o, 0, 1, NULL, out);
+        st = create_rank(model, &o, 0, 1, NULL, NULL, out);
         if (!st)
             st = start_mono(*out, *out, NULL);
         if (st) {
@@ -339,9 +375,17 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
     if (o.device == M3_DEVICE_CPU) {
         int cores = o.threads > 0 ? o.threads : m3_pool_default_threads();
         ro.threads = cores / tp > 0 ? cores / tp : 1;
+    } else if (!st) { /* one GPU per rank: --gpu, --gpu + 1, ... */
+        int devices[M3_MAX_TP];
+        for (int r = 0; r < tp; r++)
+            devices[r] = o.gpu + r;
+        st = m3_gpu_group_create(devices, tp, o.tp_timeout_ms, &f->gpu_group);
+        if (st)
+            m3_fail_context(st, "--tp %d over GPUs", tp);
     }
     for (int r = 0; r < tp && !st; r++) {
-        st = create_rank(model, &ro, r, tp, f->rank_comms[r], &f->ranks[r]);
+        ro.gpu = o.gpu + r;
+        st = create_rank(model, &ro, r, tp, f->rank_comms[r], f->gpu_group, &f->ranks[r]);
         if (st)
             m3_fail_context(st, "TP rank %d", r);
     }
@@ -350,6 +394,8 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
                                       &f->ranks[0]->cfg, o.tp_timeout_ms, &f->mono_group);
     if (!st)
         st = m3_tp_run_all(f, start_mono_rank, f);
+    if (!st && f->gpu_group && f->ranks[0]->mono)
+        st = connect_gpus(f);
     if (st) {
         m3_engine_free(f);
         return m3_fail_context(st, "creating the engine");

@@ -54,6 +54,8 @@ struct m3_engine {
     m3_comm *rank_comms[M3_MAX_TP];     /* front only: the group's comms */
     m3_weights shard;    /* rank engines at TP > 1: the views this rank holds */
     struct m3_cpu_mono_group *mono_group; /* front on the CPU: the mono executors' peers */
+    struct m3_gpu_group *gpu_group; /* front on GPUs: NCCL, one GPU per rank */
+    bool own_comm;       /* a GPU rank: comm is its own (over the front's host comm) */
     m3_dtype partial_dtype; /* F64 on the CPU (exact), F32 on the GPU */
     m3_engine_opts opts;
     m3_backend *be;

@@ -26,7 +26,10 @@ typedef struct rank_job {
 
 static void *rank_main(void *p) {
     rank_job *j = p;
-    j->st = j->fn(j->e, j->arg);
+    m3_backend *be = j->e->be;
+    j->st = be && be->ops->bind_thread ? be->ops->bind_thread(be) : M3_OK; /* its GPU */
+    if (!j->st)
+        j->st = j->fn(j->e, j->arg);
     if (j->st)
         snprintf(j->msg, sizeof j->msg, "%s", m3_last_error());
     return NULL;

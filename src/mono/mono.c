@@ -91,8 +91,8 @@ static m3_status cuda_check_fault(void *x) { return m3_cuda_mono_check_fault(x);
 static m3_status cuda_set_fault(void *x, int code, int layer) {
     return m3_cuda_mono_set_fault(x, code, layer);
 }
-/* world 1 on one GPU: this rank is every rank (peers' words: multi-GPU) */
-static void cuda_abort_all(void *x) { (void)m3_cuda_mono_set_fault(x, M3_MONO_FAULT_ABORTED, -1); }
+/* every rank's fault word (world 1: this rank's) */
+static void cuda_abort_all(void *x) { (void)m3_cuda_mono_abort_all(x); }
 static m3_status cuda_clear_fault(void *x) { return m3_cuda_mono_clear_fault(x); }
 static void cuda_destroy(void *x) { m3_cuda_mono_free(x); }
 
@@ -199,8 +199,6 @@ int m3_mono_model_refusals(const m3_engine *eng, const m3_mono_config *mc, char 
     int tp = eng->tp_size > 0 ? eng->tp_size : 1;
     if (mc->tp_size != tp)
         refuse(buf, size, &n, "tp_size %d but the engine runs %d ranks", mc->tp_size, tp);
-    if (tp > 1 && eng->opts.device == M3_DEVICE_CUDA)
-        refuse(buf, size, &n, "cuda: TP %d needs the multi-GPU executor", tp);
     if (eng->opts.indexer_cp && eng->opts.device == M3_DEVICE_CUDA)
         refuse(buf, size, &n, "cuda: indexer context parallelism is not built into the fused "
                "kernels (it needs the multi-GPU executor)");
@@ -262,6 +260,27 @@ m3_status m3_mono_create(m3_engine *eng, const m3_mono_config *cfg, void *group,
         return st;
     }
     *out = m;
+    return M3_OK;
+}
+
+m3_status m3_mono_connect_gpus(m3_mono *const *monos, int world) {
+    void *landings[M3_MAX_TP];
+    int32_t *faults[M3_MAX_TP];
+    if (world < 2 || world > M3_MAX_TP)
+        return m3_fail(M3_ERR_INVALID_ARG, "mono: connecting a TP world of %d GPUs", world);
+    for (int r = 0; r < world; r++) {
+        if (!monos[r] || monos[r]->ops != &cuda_exec)
+            return m3_fail(M3_ERR_INVALID_ARG, "mono: TP rank %d has no CUDA executor", r);
+        landings[r] = m3_cuda_mono_landing(monos[r]->exec);
+        faults[r] = m3_cuda_mono_fault_word(monos[r]->exec);
+    }
+    for (int r = 0; r < world; r++) {
+        m3_backend *be = monos[r]->eng->be;
+        M3_TRY(be->ops->bind_thread(be));
+        m3_status st = m3_cuda_mono_set_peers(monos[r]->exec, landings, faults, world);
+        if (st)
+            return m3_fail_context(st, "TP rank %d", r);
+    }
     return M3_OK;
 }
 

@@ -1,0 +1,556 @@
+/*
+ * Tensor parallelism over GPUs (one rank per GPU, NCCL for the stock
+ * path's collectives, peer memory for the fused kernels' in-kernel
+ * all-reduce) against the CPU reference and against one GPU, through the
+ * public engine API. World W = the GPUs present, at most 4 (and at most
+ * what the preset's heads allow); with fewer than 2 GPUs: "SKIP", exit 77
+ * (ctest label "multigpu": scripts/gpu-check runs it only where 2 or more
+ * GPUs are lent). Per preset (tiny, small), engines: CPU TP 1 stock (the
+ * reference), CUDA TP 1 stock, CUDA TP W stock and CUDA TP W mono (graphs):
+ *
+ *   (a) teacher-forced: a 700-row prefill with every row's logits, then 16
+ *       decode steps fed the CPU's greedy tokens; per-row relative L2 error
+ *       of each TP W engine's logits against the CPU: PASS when every row
+ *       is within 2e-2, WARN when the median row is (a routed expert or
+ *       block choice near a tie flips; see test_cuda_model.c), else FAIL;
+ *       NaN/inf never passes.
+ *   (b) the ranks agree: after every step of (a), every rank's hidden and
+ *       residual rows equal rank 0's bit for bit (sums in rank order).
+ *   (c) greedy generation of 24 tokens: TP W stock and mono give the same
+ *       tokens as CUDA TP 1 and as the CPU (a divergence at a near-tie,
+ *       top-2 margin below 4x the largest logit error seen in (a), WARNs).
+ *   (d) a failure on one rank inside a step (rank 1's layer hook aborts the
+ *       group in the middle of an eager prefill, after peers have launched
+ *       collectives): the step fails on every rank with that failure's
+ *       message, within the group's wait bound; the next step fails at
+ *       once (a dead group stays dead); freeing the engine does not hang.
+ *   (e) a fault planted in rank 1's fused-kernel fault word (child
+ *       process): the process stops with the fault's message, no hang.
+ *   (f) the mono engine ran mono decode steps.
+ *
+ * M3_TEST_PRESET=tiny|small runs one preset; M3_TEST_SEED varies inputs.
+ */
+#include <dirent.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/status.h"
+#include "decode/engine.h"
+#include "gpu_common.h"
+#include "m3.h"
+#include "mono/fault.h"
+#include "mono/mono.h"
+
+#define PROMPT 700
+#define STEPS 16
+#define GEN 24
+#define TOL 2e-2
+#define WAIT_MS 20000 /* the engines' bound on a wait for a peer */
+
+typedef struct ctx {
+    const char *preset;
+    int world;
+    m3_config cfg;
+    int V;
+    char dir[512];
+    m3_model *model;
+    m3_engine *cpu, *g1, *gs, *gm; /* CPU TP 1, CUDA TP 1, CUDA TP W stock / mono */
+    int32_t prompt[PROMPT];
+    double observed_abs;
+} ctx;
+
+static int g_fails, g_warns, g_checks;
+
+static void record(const ctx *c, const char *test, const char *verdict, const char *fmt, ...) {
+    char value[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(value, sizeof value, fmt, ap);
+    va_end(ap);
+    g_checks++;
+    g_fails += !strcmp(verdict, "FAIL");
+    g_warns += !strcmp(verdict, "WARN");
+    printf("%-6s %-40s %-80s %s\n", c->preset, test, value, verdict);
+    fflush(stdout);
+}
+
+static bool ok(const ctx *c, const char *test, m3_status st, const char *what) {
+    if (st == M3_OK)
+        return true;
+    record(c, test, "FAIL", "%s: %s: %s", what, m3_status_name(st), m3_last_error());
+    return false;
+}
+
+static void *xmalloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "test_cuda_tp: out of memory (%zu bytes)\n", bytes);
+        exit(1);
+    }
+    return p;
+}
+
+/* ------------------------------------------------------------ engines */
+
+static m3_status make_engine(const ctx *c, m3_device dev, int tp, m3_decode_path decode,
+                             m3_engine **out) {
+    m3_engine_opts o = m3_engine_defaults();
+    o.device = dev;
+    o.tp = tp;
+    o.decode = decode;
+    o.graphs = dev == M3_DEVICE_CUDA;
+    o.max_rows = 1024; /* the prefill in one step */
+    o.max_seqs = 4;
+    o.tp_timeout_ms = WAIT_MS;
+    return m3_engine_create(c->model, &o, out);
+}
+
+/* (b): every rank's hidden and residual rows [rows, H] equal rank 0's. */
+static bool ranks_agree(const ctx *c, m3_engine *f, int rows, char *why, size_t size) {
+    size_t bytes = (size_t)rows * c->cfg.hidden_size * 2;
+    uint16_t *ref = xmalloc(2 * bytes), *got = xmalloc(2 * bytes);
+    bool same = true;
+    for (int r = 0; r < f->tp_size && same; r++) {
+        m3_engine *e = f->ranks[r];
+        uint16_t *dst = r ? got : ref;
+        m3_status st = e->be->ops->bind_thread(e->be);
+        if (!st)
+            st = e->be->ops->download(e->be, dst, e->s.hidden, bytes);
+        if (!st)
+            st = e->be->ops->download(e->be, dst + bytes / 2, e->s.residual, bytes);
+        if (st) {
+            snprintf(why, size, "rank %d: download: %s", r, m3_last_error());
+            same = false;
+        } else if (r && memcmp(ref, got, 2 * bytes)) {
+            snprintf(why, size, "rank %d's hidden/residual differ from rank 0's", r);
+            same = false;
+        }
+    }
+    free(ref), free(got);
+    return same;
+}
+
+/* ------------------------------------------------------------ (a), (b) */
+
+typedef struct row_errs {
+    double rel[PROMPT + STEPS];
+    int n, nan_rows;
+    double max_abs;
+} row_errs;
+
+static void errs_add(row_errs *e, const float *got, const float *ref, int V) {
+    gpu_cmp r = gpu_compare_f32(got, ref, V);
+    e->rel[e->n++] = r.rel_l2;
+    e->nan_rows += r.bad_special > 0;
+    e->max_abs = r.max_abs > e->max_abs ? r.max_abs : e->max_abs;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void errs_verdict(const ctx *c, const char *test, row_errs *e) {
+    int beyond = 0;
+    double mx = 0;
+    for (int i = 0; i < e->n; i++) {
+        beyond += !(e->rel[i] <= TOL);
+        mx = e->rel[i] > mx ? e->rel[i] : mx;
+    }
+    qsort(e->rel, (size_t)e->n, sizeof *e->rel, cmp_double);
+    double med = e->n ? e->rel[e->n / 2] : INFINITY;
+    const char *v = e->nan_rows || !(med <= TOL) ? "FAIL" : beyond ? "WARN" : "PASS";
+    record(c, test, v, "%d rows: median relL2 %.2e, max %.2e, %d beyond %.0e, %d NaN rows",
+           e->n, med, mx, beyond, TOL, e->nan_rows);
+}
+
+/* The CPU and engine e (TP W) side by side: the prefill, then STEPS decode
+ * steps fed the CPU's greedy tokens. */
+static void teacher_forced(ctx *c, m3_engine *e, const char *label) {
+    char ta[64], tb[64];
+    snprintf(ta, sizeof ta, "(a) %s: prefill + %d steps vs CPU", label, STEPS);
+    snprintf(tb, sizeof tb, "(b) %s: ranks bit-identical", label);
+    int V = c->V;
+    float *all_c = xmalloc((size_t)PROMPT * V * 4), *all_g = xmalloc((size_t)PROMPT * V * 4);
+    float *lc = xmalloc((size_t)V * 4), *lg = xmalloc((size_t)V * 4);
+    row_errs *errs = calloc(1, sizeof *errs);
+    m3_seq sc = -1, sg = -1;
+    char why[256] = "";
+    int agree_steps = 0;
+    m3_request qc = {0, c->prompt, PROMPT}, qg = qc;
+    if (!errs || !ok(c, ta, m3_seq_create(c->cpu, &sc), "seq") ||
+        !ok(c, ta, m3_seq_create(e, &sg), "seq"))
+        goto out;
+    qc.seq = sc, qg.seq = sg;
+    if (!ok(c, ta, m3_engine_step(c->cpu, &qc, 1, NULL, all_c), "CPU prefill") ||
+        !ok(c, ta, m3_engine_step(e, &qg, 1, NULL, all_g), "TP prefill"))
+        goto out;
+    for (int t = 0; t < PROMPT; t++)
+        errs_add(errs, all_g + (size_t)t * V, all_c + (size_t)t * V, V);
+    agree_steps += ranks_agree(c, e, PROMPT, why, sizeof why);
+    int32_t tok = gpu_argmax(all_c + (size_t)(PROMPT - 1) * V, V);
+    for (int k = 0; k < STEPS; k++) {
+        m3_request dc = {sc, &tok, 1}, dg = {sg, &tok, 1};
+        if (!ok(c, ta, m3_engine_step(c->cpu, &dc, 1, lc, NULL), "CPU decode") ||
+            !ok(c, ta, m3_engine_step(e, &dg, 1, lg, NULL), "TP decode"))
+            goto out;
+        errs_add(errs, lg, lc, V);
+        agree_steps += ranks_agree(c, e, 1, why, sizeof why);
+        tok = gpu_argmax(lc, V);
+    }
+    c->observed_abs = errs->max_abs > c->observed_abs ? errs->max_abs : c->observed_abs;
+    errs_verdict(c, ta, errs);
+    record(c, tb, agree_steps == STEPS + 1 ? "PASS" : "FAIL", "%d of %d steps agree%s%s",
+           agree_steps, STEPS + 1, why[0] ? ": " : "", why);
+out:
+    if (sc >= 0)
+        m3_seq_free(c->cpu, sc);
+    if (sg >= 0)
+        m3_seq_free(e, sg);
+    free(all_c), free(all_g), free(lc), free(lg), free(errs);
+}
+
+/* ------------------------------------------------------------ (c) */
+
+typedef struct trace {
+    int n, V;
+    int32_t tok[GEN];
+    float *logits; /* [GEN, V] */
+} trace;
+
+static int on_token(void *user, int32_t token, const float *logits, int vocab) {
+    trace *t = user;
+    if (t->n < GEN) {
+        memcpy(t->logits + (size_t)t->n * t->V, logits, (size_t)vocab * 4);
+        t->tok[t->n++] = token;
+    }
+    return 0;
+}
+
+static m3_status generate(const ctx *c, m3_engine *e, trace *t) {
+    m3_gen_opts go = m3_gen_defaults();
+    go.max_new_tokens = GEN;
+    go.stop_at_eos = false;
+    go.on_token = on_token;
+    go.user = t;
+    m3_gen_result res;
+    m3_status st = m3_generate(e, c->prompt, 300, &go, &res);
+    free(res.tokens);
+    return st;
+}
+
+static double top2_margin(const float *l, int V) {
+    int a = gpu_argmax(l, V);
+    double second = -INFINITY;
+    for (int i = 0; i < V; i++)
+        if (i != a && l[i] > second)
+            second = l[i];
+    return (double)l[a] - second;
+}
+
+/* got against ref: equal tokens PASS, a near-tie divergence WARN. */
+static void tokens_verdict(const ctx *c, const char *test, const trace *got, const trace *ref) {
+    int i = 0;
+    while (i < got->n && i < ref->n && got->tok[i] == ref->tok[i])
+        i++;
+    if (i == GEN) {
+        record(c, test, "PASS", "%d/%d tokens equal", GEN, GEN);
+        return;
+    }
+    if (i >= got->n || i >= ref->n) {
+        record(c, test, "FAIL", "only %d and %d tokens came back", got->n, ref->n);
+        return;
+    }
+    double margin = top2_margin(ref->logits + (size_t)i * c->V, c->V);
+    bool near_tie = margin < 4 * c->observed_abs;
+    record(c, test, near_tie ? "WARN" : "FAIL", "first %d equal; at %d %d vs %d, margin %.3g "
+           "(%s 4 x largest error %.3g)", i, i, got->tok[i], ref->tok[i], margin,
+           near_tie ? "<" : ">=", c->observed_abs);
+}
+
+static void greedy(ctx *c) {
+    m3_engine *engines[4] = {c->cpu, c->g1, c->gs, c->gm};
+    const char *names[4] = {"CPU TP 1", "CUDA TP 1", "stock", "mono"};
+    trace t[4];
+    for (int k = 0; k < 4; k++)
+        t[k] = (trace){0, c->V, {0}, xmalloc((size_t)GEN * c->V * 4)};
+    bool all = true;
+    for (int k = 0; k < 4 && all; k++)
+        all = ok(c, "(c) greedy generation", generate(c, engines[k], &t[k]), names[k]);
+    for (int k = 2; k < 4 && all; k++)
+        for (int ref = 0; ref < 2; ref++) {
+            char test[64];
+            snprintf(test, sizeof test, "(c) TP %d %s == %s, %d tokens", c->world, names[k],
+                     names[ref], GEN);
+            tokens_verdict(c, test, &t[k], &t[ref]);
+        }
+    for (int k = 0; k < 4; k++)
+        free(t[k].logits);
+}
+
+/* ------------------------------------------------------------ (d) */
+
+/* Rank 1's layer hook: fail the group in the middle of the prefill. */
+static void abort_hook(void *user, int layer, const m3_step *st, const uint16_t *hidden,
+                       const uint16_t *residual) {
+    m3_engine *rank = user;
+    if (layer == 1)
+        rank->comm->ops->abort(rank->comm, "planted failure in layer 1 (test_cuda_tp)");
+}
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void rank_failure(ctx *c) {
+    const char *t = "(d) a failure on rank 1 ends every rank";
+    m3_engine *e = NULL;
+    if (!ok(c, t, make_engine(c, M3_DEVICE_CUDA, c->world, M3_DECODE_STOCK, &e), "engine"))
+        return;
+    m3_seq s = -1;
+    float *lg = xmalloc((size_t)c->V * 4);
+    if (!ok(c, t, m3_seq_create(e, &s), "seq"))
+        goto out;
+    e->ranks[1]->layer_hook = abort_hook;
+    e->ranks[1]->layer_hook_user = e->ranks[1];
+    double t0 = now_s();
+    m3_request q = {s, c->prompt, PROMPT};
+    m3_status st = m3_engine_step(e, &q, 1, lg, NULL);
+    double first_s = now_s() - t0;
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", m3_last_error());
+    t0 = now_s();
+    m3_request q2 = {s, c->prompt, 1};
+    m3_status st2 = m3_engine_step(e, &q2, 1, lg, NULL);
+    double second_s = now_s() - t0;
+    bool named = strstr(msg, "planted failure") != NULL;
+    bool dead = st2 != M3_OK && strstr(m3_last_error(), "created again") != NULL;
+    bool fast = first_s < WAIT_MS / 1000.0 && second_s < 5;
+    record(c, t, st && named && dead && fast ? "PASS" : "FAIL",
+           "step %s in %.2f s%s; next %s in %.2f s", st ? "failed" : "SUCCEEDED", first_s,
+           named ? " naming the failure" : " WITHOUT the failure's message",
+           dead ? "refused" : "NOT refused", second_s);
+    if (!(st && named))
+        printf("       message: %s\n", msg);
+out:
+    t0 = now_s();
+    m3_engine_free(e);
+    record(c, "(d) freeing the failed engine", now_s() - t0 < 30 ? "PASS" : "FAIL", "%.2f s",
+           now_s() - t0);
+    free(lg);
+}
+
+/* ------------------------------------------------------------ (e) */
+
+/* The child: a TP W mono engine, one decode step, a fault planted in rank
+ * 1's word, one more decode step: it must not come back. */
+static int fault_child(const char *dir, int world) {
+    ctx c = {.preset = "child", .world = world};
+    m3_status st = m3_model_load(dir, NULL, &c.model);
+    m3_engine *e = NULL;
+    if (!st)
+        st = make_engine(&c, M3_DEVICE_CUDA, world, M3_DECODE_MONO, &e);
+    m3_seq s = -1;
+    int32_t toks[64];
+    for (int i = 0; i < 64; i++)
+        toks[i] = i + 1;
+    if (!st)
+        st = m3_seq_create(e, &s);
+    m3_request q = {s, toks, 64}, d = {s, toks, 1};
+    if (!st)
+        st = m3_engine_step(e, &q, 1, NULL, NULL);
+    if (!st)
+        st = m3_engine_step(e, &d, 1, NULL, NULL);
+    if (!st && !e->ranks[1]->mono)
+        st = m3_fail(M3_ERR_INTERNAL, "rank 1 has no mono path");
+    if (!st)
+        st = e->ranks[1]->be->ops->bind_thread(e->ranks[1]->be);
+    if (!st)
+        st = m3_mono_plant_fault(e->ranks[1]->mono, M3_MONO_FAULT_PLANTED, 1);
+    if (st) {
+        printf("child: setup failed: %s: %s\n", m3_status_name(st), m3_last_error());
+        fflush(stdout);
+        _exit(2);
+    }
+    st = m3_engine_step(e, &d, 1, NULL, NULL);
+    printf("child: the step after the fault -> %s: %s\n", m3_status_name(st), m3_last_error());
+    fflush(stdout);
+    _exit(st == M3_OK ? 0 : 3); /* no cleanup: a trapped GPU context is gone */
+}
+
+static void fault_case(ctx *c) {
+    const char *t = "(e) planted mono fault on rank 1 (child)";
+    char path[] = "/tmp/m3_tp_child_XXXXXX";
+    int fd = mkstemp(path);
+    if (fd < 0) {
+        record(c, t, "FAIL", "cannot create a temporary file");
+        return;
+    }
+    char world[8];
+    snprintf(world, sizeof world, "%d", c->world);
+    fflush(stdout);
+    fflush(stderr);
+    double t0 = now_s();
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+        execl("/proc/self/exe", "test_cuda_tp", "--fault-child", c->dir, world, (char *)NULL);
+        _exit(127);
+    }
+    int status = 0;
+    bool hung = false;
+    while (pid > 0 && waitpid(pid, &status, WNOHANG) == 0) {
+        if (now_s() - t0 > 120) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+            hung = true;
+            break;
+        }
+        usleep(100000);
+    }
+    char out[8192];
+    ssize_t got = pread(fd, out, sizeof out - 1, 0);
+    out[got > 0 ? got : 0] = 0;
+    close(fd);
+    unlink(path);
+    bool died = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
+    bool setup_ok = !(WIFEXITED(status) && WEXITSTATUS(status) == 2);
+    char want[96];
+    snprintf(want, sizeof want, "m3: mono fault: %s", m3_mono_fault_name(M3_MONO_FAULT_PLANTED));
+    bool msg = strstr(out, want) != NULL;
+    bool pass = pid > 0 && !hung && died && setup_ok && msg;
+    record(c, t, pass ? "PASS" : "FAIL", "child %s %d after %.1f s%s; message %s",
+           WIFSIGNALED(status) ? "signal" : "exit",
+           WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status), now_s() - t0,
+           hung ? " (HUNG: killed)" : "", msg ? "found" : "MISSING");
+    if (!pass)
+        printf("       child output:\n%s\n", out);
+}
+
+/* ------------------------------------------------------------ setup */
+
+static void remove_dir(const char *dir) {
+    DIR *d = opendir(dir);
+    if (d) {
+        struct dirent *e;
+        char path[1024];
+        while ((e = readdir(d)))
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+                snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+                unlink(path);
+            }
+        closedir(d);
+    }
+    rmdir(dir);
+}
+
+static bool setup(ctx *c, uint64_t *rng) {
+    const char *t = "setup";
+    const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    snprintf(c->dir, sizeof c->dir, "%s/m3_gpu_tp_%s_XXXXXX", tmp, c->preset);
+    if (!mkdtemp(c->dir)) {
+        record(c, t, "FAIL", "cannot create a folder under %s", tmp);
+        c->dir[0] = 0;
+        return false;
+    }
+    m3_synth_opts so = {gpu_rng_next(rng), false, 0};
+    if (!ok(c, t, m3_preset(c->preset, &c->cfg), "preset") ||
+        !ok(c, t, m3_synth(&c->cfg, c->dir, &so), "synth") ||
+        !ok(c, t, m3_model_load(c->dir, NULL, &c->model), "load"))
+        return false;
+    c->cfg = *m3_model_config(c->model);
+    c->V = c->cfg.vocab_size;
+    for (int i = 0; i < PROMPT; i++)
+        c->prompt[i] = (int32_t)(gpu_rng_next(rng) % (uint64_t)c->V);
+    return ok(c, t, make_engine(c, M3_DEVICE_CPU, 1, M3_DECODE_STOCK, &c->cpu), "CPU engine") &&
+           ok(c, t, make_engine(c, M3_DEVICE_CUDA, 1, M3_DECODE_STOCK, &c->g1), "CUDA TP 1") &&
+           ok(c, t, make_engine(c, M3_DEVICE_CUDA, c->world, M3_DECODE_STOCK, &c->gs),
+              "CUDA TP W stock") &&
+           ok(c, t, make_engine(c, M3_DEVICE_CUDA, c->world, M3_DECODE_MONO, &c->gm),
+              "CUDA TP W mono");
+}
+
+static void run_preset(const char *preset, int gpus, uint64_t *rng) {
+    ctx *c = calloc(1, sizeof *c);
+    if (!c)
+        exit(1);
+    c->preset = preset;
+    m3_config cfg;
+    if (m3_preset(preset, &cfg)) {
+        record(c, "setup", "FAIL", "no preset %s", preset);
+        free(c);
+        return;
+    }
+    /* the widest world the GPUs and the KV heads allow, at most 4 */
+    c->world = gpus < 4 ? gpus : 4;
+    while (c->world > 2 && cfg.num_kv_heads % c->world)
+        c->world--;
+    printf("%s: TP %d over %d GPUs\n", preset, c->world, gpus);
+    if (setup(c, rng)) {
+        teacher_forced(c, c->gs, "stock");
+        teacher_forced(c, c->gm, "mono");
+        greedy(c);
+        m3_engine_stats s = m3_engine_get_stats(c->gm);
+        record(c, "(f) the mono engine ran mono steps", s.mono_steps > 0 ? "PASS" : "FAIL",
+               "%lld mono steps, %lld stock steps%s%s", (long long)s.mono_steps,
+               (long long)s.stock_steps, m3_engine_mono_refusal(c->gm)[0] ? ": " : "",
+               m3_engine_mono_refusal(c->gm));
+        rank_failure(c);
+        fault_case(c);
+    }
+    m3_engine_free(c->cpu);
+    m3_engine_free(c->g1);
+    m3_engine_free(c->gs);
+    m3_engine_free(c->gm);
+    m3_model_free(c->model);
+    if (c->dir[0])
+        remove_dir(c->dir);
+    free(c);
+}
+
+/* GPUs that take a CUDA backend, counted from 0 */
+static int count_gpus(void) {
+    int n = 0;
+    for (; n < 16; n++) {
+        m3_backend *be = NULL;
+        if (m3_cuda_backend_create(n, &be))
+            break;
+        be->ops->destroy(be);
+    }
+    return n;
+}
+
+int main(int argc, char **argv) {
+    if (argc == 4 && !strcmp(argv[1], "--fault-child"))
+        return fault_child(argv[2], atoi(argv[3]));
+    int probe = gpu_probe("test_cuda_tp");
+    if (probe)
+        return probe;
+    int gpus = count_gpus();
+    if (gpus < 2) {
+        printf("SKIP: tensor parallelism over GPUs needs 2 or more GPUs, %d found\n", gpus);
+        return GPU_TEST_SKIP;
+    }
+    uint64_t rng = gpu_test_seed(0x7e2a5c0ffeeull);
+    printf("test_cuda_tp: seed %llu (set M3_TEST_SEED to vary); logits tol %.0e\n",
+           (unsigned long long)rng, TOL);
+    const char *only = getenv("M3_TEST_PRESET");
+    double t0 = now_s();
+    if (!only || !strcmp(only, "tiny"))
+        run_preset("tiny", gpus, &rng);
+    if (!only || !strcmp(only, "small"))
+        run_preset("small", gpus, &rng);
+    printf("test_cuda_tp: %d checks, %d failed, %d warnings (%.1f s)\n", g_checks, g_fails,
+           g_warns, now_s() - t0);
+    return g_fails ? 1 : 0;
+}
