@@ -158,11 +158,16 @@ static m3_status check_opts(const m3_config *c, m3_engine_opts *o) {
     return M3_OK;
 }
 
+/* The caller's thread works on e's device (engines on several GPUs may
+ * share one thread). */
+static m3_status bind_thread(m3_engine *e) {
+    return e->be && e->be->ops->bind_thread ? e->be->ops->bind_thread(e->be) : M3_OK;
+}
+
 static void free_rank(m3_engine *e) {
     if (!e)
         return;
-    if (e->be && e->be->ops->bind_thread)
-        e->be->ops->bind_thread(e->be); /* a GPU rank frees on its own GPU */
+    (void)bind_thread(e); /* a GPU rank frees on its own GPU */
     m3_mono_free(e->mono);
     if (e->be) {
         free_graphs(e);
@@ -320,8 +325,7 @@ static m3_status connect_gpus(m3_engine *f) {
     for (int r = 0; r < f->tp_size; r++) {
         m3_engine *e = f->ranks[r];
         snprintf(e->mono_refused, sizeof e->mono_refused, "%s", f->mono_refused);
-        if (e->be->ops->bind_thread)
-            e->be->ops->bind_thread(e->be);
+        (void)bind_thread(e);
         m3_mono_free(e->mono);
         e->mono = NULL;
     }
@@ -675,6 +679,7 @@ m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float
                        "buffer are required");
     if (e->ranks[0])
         return m3_tp_front_step(e, reqs, n_reqs, logits, all_logits);
+    M3_TRY(bind_thread(e));
     int rows = 0;
     M3_TRY(check_requests(e, reqs, n_reqs, &rows));
     int R = scratch_rows(e);
@@ -730,6 +735,7 @@ m3_status m3_engine_decode(m3_engine *e, const m3_request *reqs, int n_reqs,
                            "m3_engine_decode: request %d has %d tokens; a decode step has one",
                            q, reqs[q].n_tokens);
     size_t V = (size_t)e->cfg.vocab_size;
+    M3_TRY(bind_thread(e));
     if (!device_can_sample(e, sampler)) {
         float *buf = logits ? logits : m3_malloc((size_t)n_reqs * V * 4, "logits");
         if (!buf)
