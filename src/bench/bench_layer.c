@@ -7,6 +7,13 @@
  * and the sequences rotate through enough sets that their caches and
  * activations exceed the L2 several times over, so the cache is not what
  * is measured. The median replay time is set against the floor.
+ *
+ * TP over GPUs (--tp N): the engine is a TP front; every rank builds,
+ * captures and replays its own graph on its own thread at once (the
+ * collectives join them), a point's time per replay is the slowest
+ * rank's, and the floor is one rank's bytes over one GPU's bandwidth. The
+ * stock path's all-reduces are also timed alone (the same sizes, captured
+ * and replayed the same way): the all-reduce cost inside the layer time.
  */
 #include "bench/bench_layer.h"
 
@@ -80,23 +87,40 @@ static int sets_for(const m3_config *c, const m3_layer_weights *w, int rows, int
 }
 
 typedef struct bench_ctx {
-    m3_engine *e;
+    m3_engine *e;  /* TP 1: the engine; TP > 1: the front */
+    int world;
     int layer;
-    const m3_layer_weights *w;
+    const m3_layer_weights *w; /* rank 0's */
     m3_seq *seqs; /* [sets * rows] */
     bool mono;    /* the mono path's layer, else the stock path's */
+    /* the point being timed, shared by the rank threads */
+    int rows, sets, iters;
+    double *us;   /* [world][iters]: each rank's replay times */
+    double *ar_us;/* [world][iters]: the stock path's all-reduces alone (TP > 1) */
+    float *ar_buf[M3_MAX_TP]; /* each rank's [rows * k, H] fp32 for them */
+    double unique;
 } bench_ctx;
 
-/* Build set s's decode step and give it fresh input rows. */
-static m3_status prepare_set(bench_ctx *b, int rows, int s) {
+static m3_engine *rank_engine(const bench_ctx *b, int r) {
+    return b->world > 1 ? b->e->ranks[r] : b->e;
+}
+
+/* fn on every rank at once (TP: each on its own thread, bound to its GPU) */
+static m3_status on_ranks(bench_ctx *b, m3_status (*fn)(m3_engine *rank, void *b)) {
+    return b->world > 1 ? m3_tp_run_all(b->e, fn, b) : fn(b->e, b);
+}
+
+/* Build set s's decode step on rank engine e and give it fresh input rows
+ * (the same on every rank: TP ranks hold the same activations). */
+static m3_status prepare_set(bench_ctx *b, m3_engine *e, int rows, int s) {
     m3_request reqs[M3_GRAPH_MAX_ROWS];
     static const int32_t token = 1;
     for (int r = 0; r < rows; r++)
         reqs[r] = (m3_request){b->seqs[s * rows + r], &token, 1};
-    M3_TRY(m3_engine_build(b->e, reqs, rows, true));
-    size_t n = (size_t)rows * b->e->cfg.hidden_size;
-    M3_TRY(m3_cuda_fill_random_bf16(b->e->be, b->e->s.hidden, n, 1000 + 2 * (uint64_t)s, 1.0f));
-    return m3_cuda_fill_random_bf16(b->e->be, b->e->s.residual, n, 1001 + 2 * (uint64_t)s, 1.0f);
+    M3_TRY(m3_engine_build(e, reqs, rows, true));
+    size_t n = (size_t)rows * e->cfg.hidden_size;
+    M3_TRY(m3_cuda_fill_random_bf16(e->be, e->s.hidden, n, 1000 + 2 * (uint64_t)s, 1.0f));
+    return m3_cuda_fill_random_bf16(e->be, e->s.residual, n, 1001 + 2 * (uint64_t)s, 1.0f);
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -105,34 +129,62 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 /* The layer on the benchmarked path. */
-static m3_status run_layer(bench_ctx *b) {
-    m3_engine *e = b->e;
+static m3_status run_layer(bench_ctx *b, m3_engine *e) {
     if (!b->mono)
         return m3_stock_layer(e, &e->step, b->layer, false);
     return m3_mono_run_layer(e->mono, &e->step, b->layer, e->s.hidden, e->s.residual);
 }
 
-static m3_status capture_layer(bench_ctx *b, void **graph) {
-    m3_engine *e = b->e;
-    M3_TRY(run_layer(b)); /* sizes the workspaces */
+/* Capture ops (run once eagerly first: it sizes the workspaces). */
+static m3_status capture(m3_engine *e, m3_status (*ops)(bench_ctx *, m3_engine *), bench_ctx *b,
+                         void **graph) {
+    M3_TRY(ops(b, e));
     M3_TRY(e->be->ops->sync(e->be));
     M3_TRY(e->be->ops->graph_begin(e->be));
     e->step.capturing = true;
-    m3_status cap = run_layer(b);
+    m3_status cap = ops(b, e);
     e->step.capturing = false;
     m3_status end = e->be->ops->graph_end(e->be, cap == M3_OK, graph);
     return cap ? cap : end;
 }
 
-static m3_status time_point(bench_ctx *b, int rows, int sets, int iters, m3_bench_point *p) {
-    m3_engine *e = b->e;
-    void *graph = NULL;
-    M3_TRY(prepare_set(b, rows, 0));
-    m3_status st = capture_layer(b, &graph);
+/* The all-reduces of the stock path's layer at TP > 1, alone: o_proj's
+ * [rows, H], the experts' [rows * k, H] and the shared expert's [rows, H]
+ * fp32 partials (the values do not matter). */
+static m3_status allreduces(bench_ctx *b, m3_engine *e) {
+    int64_t n = (int64_t)b->rows * e->cfg.hidden_size;
+    float *buf = b->ar_buf[e->tp_rank];
+    M3_TRY(e->comm->ops->all_reduce_sum_f32(e->comm, buf, n));
+    M3_TRY(e->comm->ops->all_reduce_sum_f32(e->comm, buf, n * e->cfg.experts_per_tok));
+    return e->comm->ops->all_reduce_sum_f32(e->comm, buf, n);
+}
+
+/* Replay graph iters times (three warm-ups first) into us[iters], with
+ * fresh inputs before each replay when sets > 0. */
+static m3_status replay(bench_ctx *b, m3_engine *e, void *graph, int sets, double *us) {
+    for (int i = -3; i < b->iters; i++) {
+        double t;
+        if (sets)
+            M3_TRY(prepare_set(b, e, b->rows, (i + 3) % sets));
+        M3_TRY(m3_cuda_timed_launch(e->be, graph, &t));
+        if (i >= 0)
+            us[i] = t;
+    }
+    return M3_OK;
+}
+
+/* One rank's share of a point: capture, count the routed experts, time
+ * the replays (and at TP > 1 the all-reduces alone). */
+static m3_status time_rank(m3_engine *e, void *arg) {
+    bench_ctx *b = arg;
+    int r = b->world > 1 ? e->tp_rank : 0, rows = b->rows, sets = b->sets;
+    void *graph = NULL, *ar_graph = NULL;
+    M3_TRY(prepare_set(b, e, rows, 0));
+    m3_status st = capture(e, run_layer, b, &graph);
     double unique = 0;
     for (int s = 0; !st && b->w->moe && s < sets; s++) {
         int n = 0;
-        st = prepare_set(b, rows, s);
+        st = prepare_set(b, e, rows, s);
         /* the stock MoE op counts the distinct experts; both paths route alike */
         if (!st)
             st = m3_stock_layer(e, &e->step, b->layer, false);
@@ -140,37 +192,73 @@ static m3_status time_point(bench_ctx *b, int rows, int sets, int iters, m3_benc
             st = m3_cuda_moe_unique_experts(e->be, &n);
         unique += n;
     }
-    double *us = calloc((size_t)iters, sizeof *us);
-    if (!st && !us)
-        st = m3_fail(M3_ERR_NO_MEMORY, "out of memory for timings");
-    for (int i = -3; !st && i < iters; i++) { /* three warm-up replays */
-        double t;
-        st = prepare_set(b, rows, (i + 3) % sets);
-        if (!st)
-            st = m3_cuda_timed_launch(e->be, graph, &t);
-        if (!st && i >= 0)
-            us[i] = t;
-    }
-    if (!st) {
-        qsort(us, (size_t)iters, sizeof *us, cmp_double);
-        p->median_us = us[iters / 2];
-        p->min_us = us[0];
-        p->unique_experts = b->w->moe ? unique / sets : 0;
-    }
-    free(us);
+    if (!st)
+        st = replay(b, e, graph, sets, b->us + (size_t)r * b->iters);
+    size_t ar_bytes = (size_t)rows * e->cfg.experts_per_tok * e->cfg.hidden_size * 4;
+    if (!st && b->world > 1)
+        st = e->be->ops->alloc(e->be, ar_bytes, (void **)&b->ar_buf[r]);
+    if (!st && b->world > 1)
+        st = m3_cuda_fill_random_bf16(e->be, b->ar_buf[r], ar_bytes / 2, 7, 1.0f);
+    if (!st && b->world > 1)
+        st = capture(e, allreduces, b, &ar_graph);
+    if (!st && b->world > 1)
+        st = replay(b, e, ar_graph, 0, b->ar_us + (size_t)r * b->iters);
+    if (!st && r == 0)
+        b->unique = b->w->moe ? unique / sets : 0;
     if (graph)
         e->be->ops->graph_free(e->be, graph);
+    if (ar_graph)
+        e->be->ops->graph_free(e->be, ar_graph);
+    if (b->ar_buf[r]) {
+        e->be->ops->sync(e->be);
+        e->be->ops->release(e->be, b->ar_buf[r]);
+        b->ar_buf[r] = NULL;
+    }
+    return st;
+}
+
+/* Per replay the slowest rank; median and minimum over replays. */
+static void summarize(const bench_ctx *b, const double *us, double *median, double *min) {
+    double *worst = calloc((size_t)b->iters, sizeof *worst);
+    if (!worst) {
+        *median = *min = NAN;
+        return;
+    }
+    for (int i = 0; i < b->iters; i++)
+        for (int r = 0; r < b->world; r++)
+            worst[i] = fmax(worst[i], us[(size_t)r * b->iters + i]);
+    qsort(worst, (size_t)b->iters, sizeof *worst, cmp_double);
+    *median = worst[b->iters / 2];
+    *min = worst[0];
+    free(worst);
+}
+
+static m3_status time_point(bench_ctx *b, int rows, int sets, int iters, m3_bench_point *p) {
+    m3_engine *e = b->e;
+    b->rows = rows, b->sets = sets, b->iters = iters;
+    b->us = calloc((size_t)b->world * iters, sizeof *b->us);
+    b->ar_us = calloc((size_t)b->world * iters, sizeof *b->ar_us);
+    m3_status st = b->us && b->ar_us ? on_ranks(b, time_rank)
+                                     : m3_fail(M3_ERR_NO_MEMORY, "out of memory for timings");
+    if (!st) {
+        summarize(b, b->us, &p->median_us, &p->min_us);
+        if (b->world > 1)
+            summarize(b, b->ar_us, &p->allreduce_us, &(double){0});
+        p->unique_experts = b->unique;
+    }
+    free(b->us), free(b->ar_us);
+    b->us = b->ar_us = NULL;
     const char *trace = getenv("M3_MONO_TRACE");
-    if (!st && b->mono && trace) { /* one eager step, item by item */
+    if (!st && b->mono && trace && b->world == 1) { /* one eager step, item by item */
         char path[4096];
         snprintf(path, sizeof path, "%s.rows%d.ctx%lld.txt", trace, rows,
                  (long long)e->cache.seqs[b->seqs[0]].len + 1);
         m3_cuda_mono *x = m3_mono_executor(e->mono);
-        st = prepare_set(b, rows, 0);
+        st = prepare_set(b, e, rows, 0);
         if (!st)
             st = m3_cuda_mono_trace_start(x);
         if (!st)
-            st = run_layer(b);
+            st = run_layer(b, e);
         if (!st)
             st = m3_cuda_mono_trace_write(x, path);
     }
@@ -180,7 +268,7 @@ static m3_status time_point(bench_ctx *b, int rows, int sets, int iters, m3_benc
 static m3_status run_point(bench_ctx *b, int rows, int64_t context, int iters, double gbps,
                            m3_bench_point *p) {
     m3_engine *e = b->e;
-    const m3_config *c = &e->cfg;
+    const m3_config *c = &rank_engine(b, 0)->cfg; /* one rank's shapes */
     int sets = sets_for(c, b->w, rows, context);
     memset(p, 0, sizeof *p);
     p->layer = b->layer;
@@ -188,6 +276,7 @@ static m3_status run_point(bench_ctx *b, int rows, int64_t context, int iters, d
     p->context = context;
     p->path = b->mono ? "mono" : "stock";
     p->sets = sets;
+    p->tp = b->world;
     m3_status st = M3_OK;
     int made = 0;
     for (; made < sets * rows && !st; made++) {
@@ -255,7 +344,7 @@ static m3_status check_opts(const m3_bench_layer_opts *o, const m3_config *c, in
     return M3_OK;
 }
 
-static m3_status fill_caches(m3_engine *e) {
+static m3_status fill_caches(m3_engine *e, void *unused) {
     size_t kv = (size_t)e->cache.n_pages * e->cfg.num_kv_heads * M3_PAGE_TOKENS * e->cfg.head_dim;
     size_t index = (size_t)e->cache.n_pages * M3_PAGE_TOKENS * e->cfg.index_dim;
     for (int i = 0; i < e->cfg.num_layers; i++) {
@@ -268,18 +357,23 @@ static m3_status fill_caches(m3_engine *e) {
     return e->be->ops->sync(e->be);
 }
 
+static m3_status bind_mono(m3_engine *e, void *unused) {
+    return m3_mono_bind_cache(e->mono, &e->cache, e->cache.n_pages, false);
+}
+
 m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *out) {
     memset(out, 0, sizeof *out);
     m3_model *model = NULL;
     m3_model_opts mo = {true};
     M3_TRY(m3_model_load(o->model_dir, &mo, &model));
     const m3_config *c = m3_model_config(model);
-    bench_ctx b = {NULL, pick_layer(c, o->layer), NULL, NULL, false};
+    bench_ctx b = {.world = o->tp > 1 ? o->tp : 1, .layer = pick_layer(c, o->layer)};
     m3_status st = check_opts(o, c, b.layer);
     b.w = st ? NULL : &model->w.layers[b.layer];
     m3_engine_opts eo = m3_engine_defaults();
     eo.device = M3_DEVICE_CUDA;
     eo.gpu = o->gpu;
+    eo.tp = b.world;
     eo.graphs = true; /* capacity-wide block tables: one capture per row count */
     eo.max_rows = M3_GRAPH_MAX_ROWS;
     b.mono = !strcmp(o->path, "mono");
@@ -288,28 +382,34 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
         capacity(o, c, b.w, &eo.max_seqs, &eo.max_tokens);
     if (!st)
         st = m3_engine_create(model, &eo, &b.e);
+    m3_engine *r0 = st ? NULL : rank_engine(&b, 0);
     if (!st) {
-        b.w = &b.e->w.layers[b.layer]; /* the device copy: same shapes */
+        b.w = &r0->w.layers[b.layer]; /* rank 0's device copy (TP: its shard's shapes) */
         b.seqs = calloc((size_t)eo.max_seqs, sizeof *b.seqs);
-        st = b.seqs ? fill_caches(b.e) : m3_fail(M3_ERR_NO_MEMORY, "out of memory");
+        st = b.seqs ? on_ranks(&b, fill_caches) : m3_fail(M3_ERR_NO_MEMORY, "out of memory");
     }
     if (!st && b.mono)
-        st = m3_mono_bind_cache(b.e->mono, &b.e->cache, b.e->cache.n_pages, false);
+        st = on_ranks(&b, bind_mono);
+    if (!st) /* one GPU's: every rank reads its own memory */
+        st = r0->be->ops->bind_thread(r0->be);
     if (!st)
-        st = m3_cuda_read_bandwidth(b.e->be, (size_t)4 << 30, 20, &out->read_gb_per_s);
+        st = m3_cuda_read_bandwidth(r0->be, (size_t)4 << 30, 20, &out->read_gb_per_s);
     if (!st)
-        fprintf(stderr, "bench: layer %d (%s, %s), read bandwidth %.0f GB/s\n", b.layer,
-                c->layer_sparse[b.layer] ? "sparse" : "dense",
-                c->layer_moe[b.layer] ? "MoE" : "dense MLP", out->read_gb_per_s);
+        fprintf(stderr, "bench: layer %d (%s, %s), TP %d, read bandwidth %.0f GB/s per GPU\n",
+                b.layer, c->layer_sparse[b.layer] ? "sparse" : "dense",
+                c->layer_moe[b.layer] ? "MoE" : "dense MLP", b.world, out->read_gb_per_s);
     for (int i = 0; !st && i < o->n_contexts; i++)
         for (int j = 0; !st && j < o->n_rows; j++) {
             m3_bench_point *p = &out->points[out->n_points];
             st = run_point(&b, o->rows[j], o->contexts[i], o->iters, out->read_gb_per_s, p);
             if (!st) {
                 out->n_points++;
-                fprintf(stderr, "bench: rows %2d context %7lld: %8.1f us, floor %8.1f us (%.2fx)\n",
+                fprintf(stderr, "bench: rows %2d context %7lld: %8.1f us, floor %8.1f us (%.2fx)",
                         p->rows, (long long)p->context, p->median_us, p->floor_us,
                         p->median_us / p->floor_us);
+                if (b.world > 1)
+                    fprintf(stderr, ", stock all-reduces alone %.1f us", p->allreduce_us);
+                fputc('\n', stderr);
             }
         }
     free(b.seqs);

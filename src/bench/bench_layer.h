@@ -24,6 +24,7 @@ typedef struct m3_bench_layer_opts {
     const char *path;          /* "stock" or "mono" */
     int iters;                 /* timed replays per point */
     int gpu;
+    int tp;                    /* > 1: a TP engine, GPUs gpu .. gpu + tp - 1 */
 } m3_bench_layer_opts;
 
 typedef struct m3_bench_point {
@@ -35,6 +36,8 @@ typedef struct m3_bench_point {
     double weight_bytes, cache_bytes;
     double unique_experts;     /* mean over rotation sets */
     int sets;                  /* input sets rotated through */
+    int tp;                    /* ranks (the time: the slowest rank's; bytes: one rank's) */
+    double allreduce_us;       /* TP > 1: the stock path's all-reduces alone (median) */
 } m3_bench_point;
 
 typedef struct m3_bench_layer_result {

@@ -19,12 +19,17 @@ static void bench_usage(FILE *f) {
     fprintf(f,
             "usage: m3 bench layer (--model DIR | --preset NAME [--layers N])\n"
             "                      [--rows 1,2,4,8,16] [--context 4096,32768,131072]\n"
-            "                      [--path stock,mono] [--layer L] [--iters N] [--gpu N] [--json]\n"
+            "                      [--path stock,mono] [--layer L] [--iters N] [--gpu N] [--tp N]\n"
+            "                      [--json]\n"
             "\n"
             "  --preset NAME   a preset (e.g. m3-tp4-rank) cut to --layers (default 4),\n"
             "                  synthesized on first use into the model cache\n"
             "  --layer L       the layer to time (default: the first sparse MoE layer)\n"
             "  --iters N       timed graph replays per point (default 50)\n"
+            "  --tp N          tensor parallel over GPUs --gpu .. --gpu + N - 1: the time is\n"
+            "                  the slowest rank's, the floor one rank's bytes over one GPU's\n"
+            "                  bandwidth; 'all-reduce us' times the stock path's all-reduces\n"
+            "                  alone\n"
             "  --json          print JSON instead of the table\n"
             "\n"
             "       m3 bench linear [--rows 1,2,4,8,16] [--shapes NxK,...] [--iters N]\n"
@@ -62,15 +67,16 @@ static bool parse_list(const char *flag, const char *text, int64_t lo, int64_t h
 
 static void print_table(const m3_bench_layer_result *r) {
     printf("read bandwidth: %.0f GB/s\n", r->read_gb_per_s);
-    printf("| path | layer | rows | context | time us | min us | MB read | floor us | "
-           "time/floor | experts | sets |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| path | tp | layer | rows | context | time us | min us | MB read | floor us | "
+           "time/floor | all-reduce us | experts | sets |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < r->n_points; i++) {
         const m3_bench_point *p = &r->points[i];
-        printf("| %s | %d | %d | %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %d |\n", p->path,
-               p->layer, p->rows, (long long)p->context, p->median_us, p->min_us,
-               p->bytes / 1e6, p->floor_us, p->median_us / p->floor_us, p->unique_experts,
-               p->sets);
+        printf("| %s | %d | %d | %d | %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %.1f | %d "
+               "|\n",
+               p->path, p->tp, p->layer, p->rows, (long long)p->context, p->median_us, p->min_us,
+               p->bytes / 1e6, p->floor_us, p->median_us / p->floor_us, p->allreduce_us,
+               p->unique_experts, p->sets);
     }
 }
 
@@ -92,6 +98,8 @@ static void print_json(const m3_bench_layer_result *r) {
         cJSON_AddNumberToObject(j, "floor_us", p->floor_us);
         cJSON_AddNumberToObject(j, "unique_experts", p->unique_experts);
         cJSON_AddNumberToObject(j, "sets", p->sets);
+        cJSON_AddNumberToObject(j, "tp", p->tp);
+        cJSON_AddNumberToObject(j, "allreduce_us", p->allreduce_us);
         cJSON_AddItemToArray(pts, j);
     }
     cJSON_AddItemToObject(o, "points", pts);
@@ -137,6 +145,9 @@ static int parse_args(int argc, char **argv, m3_bench_layer_opts *o, const char 
         } else if (!strcmp(f, "--gpu")) {
             ok = cli_int(f, val, 0, 64, &v);
             o->gpu = (int)v;
+        } else if (!strcmp(f, "--tp")) {
+            ok = cli_int(f, val, 1, M3_MAX_TP, &v);
+            o->tp = (int)v;
         } else if (!strcmp(f, "--rows")) {
             ok = parse_list(f, val, 1, 16, rows, &n);
             o->n_rows = n;

@@ -111,22 +111,26 @@ struct m3_gpu_group {
     int64_t timeout_ms;
     pthread_mutex_t lock;
     bool dead;                   /* a rank failed: every collective ends */
+    int killer;                  /* the rank whose failure killed it */
     char why[512];
 };
 
-static bool group_dead(m3_gpu_group *g, char *why, size_t size) {
+static bool group_dead(m3_gpu_group *g, char *why, size_t size, int *killer) {
     pthread_mutex_lock(&g->lock);
     bool dead = g->dead;
     if (dead && why)
         snprintf(why, size, "%s", g->why);
+    if (killer)
+        *killer = g->killer;
     pthread_mutex_unlock(&g->lock);
     return dead;
 }
 
-static void group_kill(m3_gpu_group *g, const char *why) {
+static void group_kill(m3_gpu_group *g, int rank, const char *why) {
     pthread_mutex_lock(&g->lock);
     if (!g->dead) {
         g->dead = true;
+        g->killer = rank;
         snprintf(g->why, sizeof g->why, "%s", why);
     }
     pthread_mutex_unlock(&g->lock);
@@ -231,17 +235,22 @@ typedef struct cuda_comm {
 static cuda_comm *impl(m3_comm *c) { return (cuda_comm *)c->impl; }
 
 /* A dead group's collective: this rank's NCCL ends too; the first
- * failure's message. */
+ * failure's message, as this rank's own when it was this rank's (so the
+ * TP front reports it as the root cause). */
 static m3_status dead_fail(cuda_comm *x) {
     char why[512];
-    group_dead(x->g, why, sizeof why);
+    int killer = -1;
+    group_dead(x->g, why, sizeof why, &killer);
     rank_abort_nccl(x->g, x->rank);
-    return m3_fail(M3_ERR_DEVICE, "the GPU TP group was aborted (%s); the engine must be "
+    if (killer == x->rank)
+        return m3_fail(M3_ERR_FAULT, "%s (the GPU TP group is stopped: the engine must be "
+                       "created again)", why);
+    return m3_fail(M3_ERR_FAULT, "the GPU TP group was aborted (%s); the engine must be "
                    "created again", why);
 }
 
 static m3_status check_live(cuda_comm *x) {
-    if (group_dead(x->g, NULL, 0))
+    if (group_dead(x->g, NULL, 0, NULL))
         return dead_fail(x);
     return M3_OK;
 }
@@ -259,11 +268,11 @@ static m3_status group_wait(m3_cuda *cu, void *arg) {
             return M3_OK;
         if (err != cudaErrorNotReady) {
             m3_status st = m3_cuda_error(err, "a TP rank's step", __FILE__, __LINE__);
-            group_kill(x->g, m3_last_error());
+            group_kill(x->g, x->rank, m3_last_error());
             rank_abort_nccl(x->g, x->rank);
             return st;
         }
-        if (group_dead(x->g, NULL, 0)) {
+        if (group_dead(x->g, NULL, 0, NULL)) {
             m3_status st = dead_fail(x);
             cudaStreamSynchronize(cu->stream); /* its collectives have ended */
             return st;
@@ -274,7 +283,7 @@ static m3_status group_wait(m3_cuda *cu, void *arg) {
             char why[160];
             snprintf(why, sizeof why, "TP rank %d's step did not finish within %lld ms", x->rank,
                      (long long)x->g->timeout_ms);
-            group_kill(x->g, why);
+            group_kill(x->g, x->rank, why);
             return dead_fail(x);
         }
         if (spins > 2000) { /* past the first ~ms: yield the core */
@@ -298,7 +307,7 @@ static m3_status gather_sum(m3_comm *c, T *buf, int64_t n, ncclDataType_t type) 
     ncclResult_t r = g_nccl.all_gather(buf, ws, (size_t)n, type, x->g->comms[x->rank], cu->stream);
     if (r != ncclSuccess) {
         m3_status st = nccl_error(r, "ncclAllGather");
-        group_kill(x->g, m3_last_error());
+        group_kill(x->g, x->rank, m3_last_error());
         return st;
     }
     int64_t blocks = (n + 255) / 256;
@@ -327,7 +336,7 @@ static m3_status cc_all_gather(m3_comm *c, const void *in, void *out, int64_t by
                                        m3_cuda_of(x->be)->stream);
     if (r != ncclSuccess) {
         m3_status st = nccl_error(r, "ncclAllGather");
-        group_kill(x->g, m3_last_error());
+        group_kill(x->g, x->rank, m3_last_error());
         return st;
     }
     return M3_OK;
@@ -339,11 +348,11 @@ static m3_status cc_agree_min(m3_comm *c, int64_t local, int64_t *global) {
     cuda_comm *x = impl(c);
     m3_status st = x->host->ops->agree_min(x->host, local, global);
     if (st) {
-        group_kill(x->g, m3_last_error());
+        group_kill(x->g, x->rank, m3_last_error());
         rank_abort_nccl(x->g, x->rank);
         return st;
     }
-    if (group_dead(x->g, NULL, 0)) {
+    if (group_dead(x->g, NULL, 0, NULL)) {
         *global = INT64_MIN; /* a dead group agrees on nothing */
         rank_abort_nccl(x->g, x->rank);
     }
@@ -354,7 +363,7 @@ static void cc_abort(m3_comm *c, const char *msg) {
     cuda_comm *x = impl(c);
     char why[400];
     snprintf(why, sizeof why, "TP rank %d: %s", x->rank, msg ? msg : "aborted");
-    group_kill(x->g, why);
+    group_kill(x->g, x->rank, why);
     x->host->ops->abort(x->host, msg);
     rank_abort_nccl(x->g, x->rank);
 }

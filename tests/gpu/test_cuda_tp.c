@@ -18,8 +18,8 @@
  *   (b) the ranks agree: after every step of (a), every rank's hidden and
  *       residual rows equal rank 0's bit for bit (sums in rank order).
  *   (c) greedy generation of 24 tokens: TP W stock and mono give the same
- *       tokens as CUDA TP 1 and as the CPU (a divergence at a near-tie,
- *       top-2 margin below 4x the largest logit error seen in (a), WARNs).
+ *       tokens as CUDA TP 1 and as the CPU (at a divergence: a near-tie or
+ *       a flipped discrete choice WARNs, see tokens_verdict).
  *   (d) a failure on one rank inside a step (rank 1's layer hook aborts the
  *       group in the middle of an eager prefill, after peers have launched
  *       collectives): the step fails on every rank with that failure's
@@ -142,15 +142,15 @@ static bool ranks_agree(const ctx *c, m3_engine *f, int rows, char *why, size_t 
 
 typedef struct row_errs {
     double rel[PROMPT + STEPS];
+    double abs[PROMPT + STEPS]; /* each row's largest absolute error */
     int n, nan_rows;
-    double max_abs;
 } row_errs;
 
 static void errs_add(row_errs *e, const float *got, const float *ref, int V) {
     gpu_cmp r = gpu_compare_f32(got, ref, V);
+    e->abs[e->n] = r.max_abs;
     e->rel[e->n++] = r.rel_l2;
     e->nan_rows += r.bad_special > 0;
-    e->max_abs = r.max_abs > e->max_abs ? r.max_abs : e->max_abs;
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -207,7 +207,10 @@ static void teacher_forced(ctx *c, m3_engine *e, const char *label) {
         agree_steps += !tp || ranks_agree(c, e, 1, why, sizeof why);
         tok = gpu_argmax(lc, V);
     }
-    c->observed_abs = errs->max_abs > c->observed_abs ? errs->max_abs : c->observed_abs;
+    /* the typical row's largest logit error (90th percentile) */
+    qsort(errs->abs, (size_t)errs->n, sizeof *errs->abs, cmp_double);
+    double p90 = errs->abs[errs->n * 9 / 10];
+    c->observed_abs = p90 > c->observed_abs ? p90 : c->observed_abs;
     errs_verdict(c, ta, errs);
     if (tp)
         record(c, tb, agree_steps == STEPS + 1 ? "PASS" : "FAIL", "%d of %d steps agree%s%s",
@@ -258,7 +261,11 @@ static double top2_margin(const float *l, int V) {
     return (double)l[a] - second;
 }
 
-/* got against ref: equal tokens PASS, a near-tie divergence WARN. */
+/* got against ref: equal tokens PASS; at the first divergence a near-tie
+ * (ref's top-2 margin below the typical logit error of (a)) or logits
+ * beyond the bound (a routed expert or block flipped somewhere in the
+ * context: see test_cuda_model.c) WARN; logits within the bound that
+ * disagree on a clear argmax FAIL. */
 static void tokens_verdict(const ctx *c, const char *test, const trace *got, const trace *ref) {
     int i = 0;
     while (i < got->n && i < ref->n && got->tok[i] == ref->tok[i])
@@ -271,11 +278,15 @@ static void tokens_verdict(const ctx *c, const char *test, const trace *got, con
         record(c, test, "FAIL", "only %d and %d tokens came back", got->n, ref->n);
         return;
     }
-    double margin = top2_margin(ref->logits + (size_t)i * c->V, c->V);
-    bool near_tie = margin < 4 * c->observed_abs;
-    record(c, test, near_tie ? "WARN" : "FAIL", "first %d equal; at %d %d vs %d, margin %.3g "
-           "(%s 4 x largest error %.3g)", i, i, got->tok[i], ref->tok[i], margin,
-           near_tie ? "<" : ">=", c->observed_abs);
+    const float *lr = ref->logits + (size_t)i * c->V, *lg = got->logits + (size_t)i * c->V;
+    gpu_cmp d = gpu_compare_f32(lg, lr, c->V);
+    double margin = top2_margin(lr, c->V);
+    bool near_tie = margin < c->observed_abs && !d.bad_special;
+    bool flipped = d.rel_l2 > TOL && !d.bad_special;
+    record(c, test, near_tie || flipped ? "WARN" : "FAIL",
+           "first %d equal; at %d %d vs %d: margin %.3g %s err %.3g (relL2 %.1e%s)", i, i,
+           got->tok[i], ref->tok[i], margin, near_tie ? "<" : ">=", c->observed_abs, d.rel_l2,
+           flipped ? ": a discrete choice flipped" : "");
 }
 
 static void greedy(ctx *c) {
