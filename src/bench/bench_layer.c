@@ -160,12 +160,19 @@ static m3_status allreduces(bench_ctx *b, m3_engine *e) {
 }
 
 /* Replay graph iters times (three warm-ups first) into us[iters], with
- * fresh inputs before each replay when sets > 0. */
+ * fresh inputs before each replay when sets > 0. TP: the ranks start each
+ * replay together (inputs ready, then a host barrier), so a rank's time
+ * is not another's late start. */
 static m3_status replay(bench_ctx *b, m3_engine *e, void *graph, int sets, double *us) {
     for (int i = -3; i < b->iters; i++) {
         double t;
+        bool all = true;
         if (sets)
             M3_TRY(prepare_set(b, e, b->rows, (i + 3) % sets));
+        if (b->world > 1) {
+            M3_TRY(e->be->ops->sync(e->be));
+            M3_TRY(m3_comm_agree(e->comm, true, &all));
+        }
         M3_TRY(m3_cuda_timed_launch(e->be, graph, &t));
         if (i >= 0)
             us[i] = t;
