@@ -27,6 +27,7 @@
 #include "cuda/cuda_bench.h"
 #include "cuda/cuda_mono.h"
 #include "decode/engine.h"
+#include "model/shard.h"
 #include "mono/mono.h"
 
 #define ROTATE_BYTES ((double)(512u << 20)) /* inputs rotated per point: ~8x the L2 */
@@ -385,8 +386,11 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
     eo.max_rows = M3_GRAPH_MAX_ROWS;
     b.mono = !strcmp(o->path, "mono");
     eo.decode = b.mono ? M3_DECODE_MONO : M3_DECODE_STOCK;
+    /* sized by one rank's shapes, as the points will be (TP: fewer KV heads,
+     * so more input sets rotate through) */
+    m3_config rank_cfg = b.world > 1 ? m3_tp_config(c, b.world) : *c;
     if (!st)
-        capacity(o, c, b.w, &eo.max_seqs, &eo.max_tokens);
+        capacity(o, &rank_cfg, b.w, &eo.max_seqs, &eo.max_tokens);
     if (!st)
         st = m3_engine_create(model, &eo, &b.e);
     m3_engine *r0 = st ? NULL : rank_engine(&b, 0);
