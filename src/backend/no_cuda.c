@@ -116,6 +116,11 @@ m3_status m3_cuda_cp_merge(m3_backend *be, const uint64_t *gathered, int world, 
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 
+m3_status m3_cuda_cp_layer_select(m3_backend *be, m3_comm *comm, const m3_cuda_cp_layer *l,
+                                  float scale, const m3_select_params *p, int32_t *selected) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
 m3_status m3_cuda_cp_error(m3_backend *be, const int *err) {
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }

@@ -1,6 +1,8 @@
 /*
  * Indexer context parallelism in the stock path's sparse layers (see
- * cp_layer.h). CPU only: the communicator's buffers are host memory.
+ * cp_layer.h). On the CPU the communicator's buffers are host memory and
+ * the core is cp/indexer_cp.c; on GPU ranks the same steps run on the
+ * device (cuda/cuda_cp_layer.cu).
  */
 #include "cp/cp_layer.h"
 
@@ -9,6 +11,7 @@
 
 #include "core/status.h"
 #include "cp/indexer_cp.h"
+#include "cuda/cuda_cp.h"
 #include "decode/engine.h"
 
 bool m3_cp_step_ok(const m3_step *st) {
@@ -65,9 +68,27 @@ m3_status m3_cp_select_rows(m3_comm *comm, const m3_cp_rows *r, float scale,
     return st_ ? m3_fail_context(st_, "indexer context parallelism") : M3_OK;
 }
 
+bool m3_cp_layer_ok(const m3_engine *eng, const m3_step *st) {
+    if (!m3_cp_step_ok(st))
+        return false;
+    if (eng->opts.device != M3_DEVICE_CUDA)
+        return true;
+    /* the GPU score program keeps query rows x heads in shared memory */
+    int q = st->rows / st->n_reqs;
+    return (int64_t)q * eng->cfg.index_heads * eng->tp_size <= M3_CUDA_CP_MAX_QH;
+}
+
 m3_status m3_cp_layer_select(m3_engine *eng, const m3_step *st, const void *icache, float scale,
                              const m3_select_params *p) {
     const m3_config *c = &eng->cfg;
+    if (eng->opts.device == M3_DEVICE_CUDA) {
+        m3_cuda_cp_layer l = {eng->s.iq,       st->rows,       st->n_reqs,
+                              c->index_heads,  icache,         st->n_pages,
+                              st->dev.block_table, st->max_blocks, st->dev.seq_lens,
+                              eng->cache.max_context, eng->cp_err};
+        M3_TRY(m3_cuda_cp_layer_select(eng->be, eng->comm, &l, scale, p, eng->s.selected));
+        return M3_OK;
+    }
     m3_cp_rows r = {st->rows,
                     st->n_reqs,
                     c->index_heads,

@@ -43,6 +43,11 @@ typedef struct m3_cp_rows {
 m3_status m3_cp_select_rows(m3_comm *comm, const m3_cp_rows *r, float scale,
                             const m3_select_params *p, int32_t *selected);
 
+/* Whether this engine's sparse layers take the step through indexer CP:
+ * m3_cp_step_ok, and on the GPU rows per request x index heads within the
+ * score program's limit (M3_CUDA_CP_MAX_QH; prefill chunks usually are not). */
+bool m3_cp_layer_ok(const struct m3_engine *eng, const m3_step *st);
+
 /* Scores and selection of one sparse layer: reads eng->s.iq [T, Ni, Di]
  * (this rank's heads), writes eng->s.selected [T, Ni, topk]. */
 m3_status m3_cp_layer_select(struct m3_engine *eng, const m3_step *st, const void *icache,

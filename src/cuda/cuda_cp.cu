@@ -36,7 +36,7 @@ constexpr int kScoreThreads = kPage; /* one thread per key position */
 constexpr int kScoreWarps = kScoreThreads / 32;
 constexpr int kRowBytes = kDim * 2 + 16; /* padded: a quarter warp's row reads hit distinct banks */
 constexpr int kStageBytes = kPage * kRowBytes;
-constexpr int kMaxQH = 64;           /* query_len x heads per score program (fp64 q in smem) */
+constexpr int kMaxQH = M3_CUDA_CP_MAX_QH; /* query_len x heads per score program */
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / 32;
 constexpr int kMaxTopk = 1024;
@@ -536,7 +536,7 @@ extern "C" m3_status m3_cuda_cp_error(m3_backend *be, const int *err) {
     m3_cuda *cu = m3_cuda_of(be);
     int h[4] = {0, 0, 0, 0};
     M3_CUDA_TRY(cudaMemcpyAsync(h, err, sizeof h, cudaMemcpyDeviceToHost, cu->stream));
-    M3_CUDA_TRY(cudaStreamSynchronize(cu->stream));
+    M3_TRY(m3_cuda_stream_wait(cu)); /* TP: bounded, ends when a peer fails */
     if (h[0] == M3_CUDA_CP_ERR_LEN)
         return m3_fail(M3_ERR_INVALID_ARG,
                        "CUDA CP: request %d: length %d outside [0, max_seq_len] (treated as 0)",

@@ -39,6 +39,10 @@ typedef struct m3_cuda_cp_inputs {
 
 enum { M3_CUDA_CP_ERR_LEN = 1, M3_CUDA_CP_ERR_PAGE = 2 };
 
+/* query_len x heads one score program takes (its queries sit in shared
+ * memory as fp64) */
+#define M3_CUDA_CP_MAX_QH 64
+
 /* Host-side checks of everything the kernels assume (no device reads):
  * shapes, rank / world, the select params, and the shared memory one score
  * program needs (query_len x heads <= 64). */
@@ -67,6 +71,28 @@ m3_status m3_cuda_cp_merge(m3_backend *be, const uint64_t *gathered, int world, 
 /* Synchronise and read err: M3_OK, or M3_ERR_INVALID_ARG naming the bad
  * length or page. */
 m3_status m3_cuda_cp_error(m3_backend *be, const int *err);
+
+/* One sparse layer's block selection under indexer CP on GPU TP ranks (the
+ * stock path, cp/cp_layer.c; every rank of comm calls it): the ranks' index
+ * queries are all-gathered (NCCL) into [rows, world * heads_local, 128],
+ * this rank scores every head over the blocks it owns and keeps its local
+ * top-k keys, the keys are all-gathered and merged, and this rank's heads'
+ * selections land in selected [rows, heads_local, topk]. Scratch comes
+ * from the backend's workspace, so the layer captures into a graph. */
+typedef struct m3_cuda_cp_layer {
+    const uint16_t *iq; /* this rank's index queries [rows, heads_local, 128] */
+    int rows, n_reqs, heads_local;
+    const uint16_t *icache; /* [pages, 128, 128] */
+    int64_t pages;
+    const int32_t *table; /* [n_reqs, table_row] */
+    int64_t table_row;
+    const int32_t *lens; /* [n_reqs] */
+    int64_t max_seq_len; /* the capture-stable bound */
+    int *err;            /* device int[4] (m3_cuda_cp_error reads it) */
+} m3_cuda_cp_layer;
+
+m3_status m3_cuda_cp_layer_select(m3_backend *be, m3_comm *comm, const m3_cuda_cp_layer *l,
+                                  float scale, const m3_select_params *p, int32_t *selected);
 
 /* `m3 bench indexer`: one rank's scores + local top-k + merge (the
  * all-gather emulated by copies of the rank's keys) for batch requests of

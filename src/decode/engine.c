@@ -175,6 +175,8 @@ static void free_rank(m3_engine *e) {
             e->be->ops->release(e->be, e->tokens_dev);
         if (e->counter_dev)
             e->be->ops->release(e->be, e->counter_dev);
+        if (e->cp_err)
+            e->be->ops->release(e->be, e->cp_err);
         free_scratch(e);
         free_step(e);
         for (int i = 0; e->cache.layers && i < e->cfg.num_layers; i++) {
@@ -274,6 +276,12 @@ static m3_status create_rank(m3_model *model, const m3_engine_opts *opts, int ra
         st = alloc_scratch(e);
     if (!st)
         st = alloc_step(e);
+    if (!st && e->opts.indexer_cp && e->opts.device == M3_DEVICE_CUDA) {
+        static const int zero[4] = {0, 0, 0, 0};
+        st = e->be->ops->alloc(e->be, sizeof zero, (void **)&e->cp_err);
+        if (!st)
+            st = e->be->ops->upload(e->be, e->cp_err, zero, sizeof zero);
+    }
     if (st) {
         free_rank(e);
         return st;
@@ -346,9 +354,10 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
         return m3_fail(M3_ERR_INVALID_ARG, "decode path %d is not default, auto, stock or mono",
                        (int)o.decode);
     m3_status st = m3_tp_check(&model->cfg, tp);
-    if (!st && o.indexer_cp && o.device == M3_DEVICE_CUDA)
-        st = m3_fail(M3_ERR_UNSUPPORTED, "--indexer-cp with --device cuda: the CUDA kernels of "
-                     "indexer context parallelism are not built yet (it runs on the cpu)");
+    if (!st && o.indexer_cp && o.device == M3_DEVICE_CUDA && tp < 2)
+        st = m3_fail(M3_ERR_UNSUPPORTED, "--indexer-cp with --device cuda and --tp 1: indexer "
+                     "context parallelism splits block scoring over GPU ranks; give --tp 2 or "
+                     "more");
     if (!st && o.indexer_cp && tp > model->cfg.num_kv_heads)
         st = m3_fail(M3_ERR_UNSUPPORTED, "--indexer-cp with tp = %d: each rank must own its own "
                      "index head, and the model has %d", tp, model->cfg.num_kv_heads);

@@ -56,6 +56,7 @@ struct m3_engine {
     struct m3_cpu_mono_group *mono_group; /* front on the CPU: the mono executors' peers */
     struct m3_gpu_group *gpu_group; /* front on GPUs: NCCL, one GPU per rank */
     bool own_comm;       /* a GPU rank: comm is its own (over the front's host comm) */
+    int *cp_err;         /* GPU indexer CP: the kernels' error word, device int[4] */
     m3_dtype partial_dtype; /* F64 on the CPU (exact), F32 on the GPU */
     m3_engine_opts opts;
     m3_backend *be;
@@ -69,6 +70,7 @@ struct m3_engine {
     char mono_refused[512];/* decode auto: why mono was refused ("" if it was not) */
     bool graph_mono[M3_GRAPH_BUCKETS]; /* the bucket's graph captured a mono step */
     int64_t mono_steps, stock_steps, graph_replays;
+    int64_t cp_selects;  /* sparse layers that selected through indexer CP (eager steps) */
     bool graphs;         /* capture and replay decode steps */
     bool stable_width;   /* block tables always max_blocks wide */
     void *graph[M3_GRAPH_BUCKETS];

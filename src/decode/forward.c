@@ -13,6 +13,7 @@
 #include "decode/engine.h"
 #include "mono/mono.h"
 #include "cp/cp_layer.h"
+#include "cuda/cuda_cp.h"
 
 /* TP: out = bf16(sum over ranks of s->partial [T, H]), summed in rank order
  * so every rank holds the same bits. The CPU's partials are fp64 (rounded
@@ -66,8 +67,9 @@ m3_status m3_stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) 
         M3_TRY(op->cache_write(be, T, st->dev.slots, 1, Di, s->ik, Di, cl->index));
         float scale = m3_index_scale(Di);
         m3_select_params sp = {c->topk_blocks, c->init_blocks, c->local_blocks};
-        if (eng->opts.indexer_cp && m3_cp_step_ok(st)) {
+        if (eng->opts.indexer_cp && m3_cp_layer_ok(eng, st)) {
             M3_TRY(m3_cp_layer_select(eng, st, cl->index, scale, &sp));
+            eng->cp_selects++;
         } else {
             M3_TRY(op->index_scores(be, st, Ni, Di, s->iq, cl->index, scale, s->scores));
             M3_TRY(op->select_blocks(be, st, Ni, s->scores, &sp, s->selected));
@@ -158,5 +160,9 @@ m3_status m3_forward_device(m3_engine *eng, const m3_step *st, int n_out) {
     if (mono) /* before logits and sampling: abort a failed step, check the fault word */
         failure = m3_mono_after_step(mono, fused, failure);
     M3_TRY(failure);
+    /* GPU indexer CP's error word (a bad length or page; the engine builds
+     * neither, so this is a guard), read on eager steps: a replay cannot */
+    if (eng->cp_err && !st->capturing)
+        M3_TRY(m3_cuda_cp_error(be, eng->cp_err));
     return final_logits(eng, n_out);
 }

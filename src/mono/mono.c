@@ -201,7 +201,7 @@ int m3_mono_model_refusals(const m3_engine *eng, const m3_mono_config *mc, char 
         refuse(buf, size, &n, "tp_size %d but the engine runs %d ranks", mc->tp_size, tp);
     if (eng->opts.indexer_cp && eng->opts.device == M3_DEVICE_CUDA)
         refuse(buf, size, &n, "cuda: indexer context parallelism is not built into the fused "
-               "kernels (it needs the multi-GPU executor)");
+               "kernels (it runs in the stock path's layers)");
     if (c->block_size != M3_PAGE_TOKENS)
         refuse(buf, size, &n, "sparse block size %d is not the page size %d", c->block_size,
                M3_PAGE_TOKENS);

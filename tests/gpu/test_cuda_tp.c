@@ -28,6 +28,9 @@
  *   (e) a fault planted in rank 1's fused-kernel fault word (child
  *       process): the process stops with the fault's message, no hang.
  *   (f) the mono engine ran mono decode steps.
+ *   (g) indexer context parallelism over the GPU ranks (--indexer-cp):
+ *       decode logits bit-identical to the same TP engine without it (the
+ *       selection is exact), and its sparse layers did select through CP.
  *
  * M3_TEST_PRESET=tiny|small runs one preset; M3_TEST_SEED varies inputs.
  */
@@ -100,9 +103,10 @@ static void *xmalloc(size_t bytes) {
 
 /* ------------------------------------------------------------ engines */
 
-static m3_status make_engine(const ctx *c, m3_device dev, int tp, m3_decode_path decode,
-                             m3_engine **out) {
+static m3_status make_engine_cp(const ctx *c, m3_device dev, int tp, m3_decode_path decode,
+                                bool indexer_cp, m3_engine **out) {
     m3_engine_opts o = m3_engine_defaults();
+    o.indexer_cp = indexer_cp;
     o.device = dev;
     o.tp = tp;
     o.decode = decode;
@@ -111,6 +115,11 @@ static m3_status make_engine(const ctx *c, m3_device dev, int tp, m3_decode_path
     o.max_seqs = 4;
     o.tp_timeout_ms = WAIT_MS;
     return m3_engine_create(c->model, &o, out);
+}
+
+static m3_status make_engine(const ctx *c, m3_device dev, int tp, m3_decode_path decode,
+                             m3_engine **out) {
+    return make_engine_cp(c, dev, tp, decode, false, out);
 }
 
 /* (b): every rank's hidden and residual rows [rows, H] equal rank 0's. */
@@ -307,6 +316,45 @@ static void greedy(ctx *c) {
         }
     for (int k = 0; k < 4; k++)
         free(t[k].logits);
+}
+
+/* ------------------------------------------------------------ (g) */
+
+/* Indexer CP over the GPU ranks selects exactly the blocks one rank
+ * would, so decode logits equal the TP engine's without CP bit for bit. */
+static void indexer_cp(ctx *c) {
+    const char *t = "(g) indexer CP: decode logits == no CP";
+    m3_engine *e = NULL;
+    int V = c->V;
+    float *la = xmalloc((size_t)V * 4), *lb = xmalloc((size_t)V * 4);
+    m3_seq sa = -1, sb = -1;
+    int same = 0;
+    if (!ok(c, t, make_engine_cp(c, M3_DEVICE_CUDA, c->world, M3_DECODE_STOCK, true, &e),
+            "CP engine") ||
+        !ok(c, t, m3_seq_create(e, &sa), "seq") || !ok(c, t, m3_seq_create(c->gs, &sb), "seq"))
+        goto out;
+    m3_request qa = {sa, c->prompt, PROMPT}, qb = {sb, c->prompt, PROMPT};
+    if (!ok(c, t, m3_engine_step(e, &qa, 1, la, NULL), "CP prefill") ||
+        !ok(c, t, m3_engine_step(c->gs, &qb, 1, lb, NULL), "prefill"))
+        goto out;
+    int32_t tok = gpu_argmax(lb, V);
+    for (int k = 0; k < STEPS; k++) {
+        m3_request da = {sa, &tok, 1}, db = {sb, &tok, 1};
+        if (!ok(c, t, m3_engine_step(e, &da, 1, la, NULL), "CP decode") ||
+            !ok(c, t, m3_engine_step(c->gs, &db, 1, lb, NULL), "decode"))
+            goto out;
+        same += !memcmp(la, lb, (size_t)V * 4);
+        tok = gpu_argmax(lb, V);
+    }
+    int64_t used = e->ranks[0]->cp_selects;
+    record(c, t, same == STEPS && used > 0 ? "PASS" : "FAIL",
+           "%d of %d decode steps bit-identical; %lld layer selections through CP (eager)", same,
+           STEPS, (long long)used);
+out:
+    if (sb >= 0)
+        m3_seq_free(c->gs, sb);
+    m3_engine_free(e);
+    free(la), free(lb);
 }
 
 /* ------------------------------------------------------------ (d) */
@@ -523,6 +571,7 @@ static void run_preset(const char *preset, int gpus, uint64_t *rng) {
                "%lld mono steps, %lld stock steps%s%s", (long long)s.mono_steps,
                (long long)s.stock_steps, m3_engine_mono_refusal(c->gm)[0] ? ": " : "",
                m3_engine_mono_refusal(c->gm));
+        indexer_cp(c);
         rank_failure(c);
         fault_case(c);
     }
