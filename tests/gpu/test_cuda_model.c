@@ -120,15 +120,6 @@ static bool ok(const ctx *c, const char *test, m3_status st, const char *what) {
     return false;
 }
 
-static void *xmalloc(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        fprintf(stderr, "test_cuda_model: out of memory (%zu bytes)\n", bytes);
-        exit(1);
-    }
-    return p;
-}
-
 /* Logits of several rows against the reference, row by row. */
 typedef struct row_stats {
     double max_rel, mean_rel, max_abs;
@@ -180,8 +171,8 @@ static void capture_begin(capture *cp, m3_engine *e, int rows, const m3_config *
     cp->eng = e, cp->rows = rows, cp->H = cfg->hidden_size, cp->layers = cfg->num_layers;
     cp->sel_n = cfg->index_heads * cfg->topk_blocks;
     size_t n = (size_t)cp->layers * rows * cp->H * 2;
-    cp->hidden = xmalloc(n), cp->residual = xmalloc(n);
-    cp->selected = xmalloc((size_t)cp->layers * rows * cp->sel_n * 4);
+    cp->hidden = gpu_xmalloc(n), cp->residual = gpu_xmalloc(n);
+    cp->selected = gpu_xmalloc((size_t)cp->layers * rows * cp->sel_n * 4);
     memset(cp->selected, 0xff, (size_t)cp->layers * rows * cp->sel_n * 4);
     e->layer_hook = capture_layer;
     e->layer_hook_user = cp;
@@ -219,7 +210,7 @@ static uint64_t host_route(const m3_config *cfg, const m3_layer_weights *lw,
     int H = cfg->hidden_size, E = cfg->num_experts < 64 ? cfg->num_experts : 64;
     int k = cfg->experts_per_tok;
     double ss = 0, keys[64];
-    float *x = xmalloc((size_t)H * 4);
+    float *x = gpu_xmalloc((size_t)H * 4);
     for (int i = 0; i < H; i++)
         ss += (double)m3_bf16_to_f32(res[i]) * m3_bf16_to_f32(res[i]);
     float r = 1.0f / sqrtf((float)(ss / H) + cfg->rms_norm_eps);
@@ -297,7 +288,7 @@ static enum cause onset_cause(const ctx *c, const capture *cc, const capture *cg
  * attention and after the FFN, and the rows that diverge there, by cause. */
 static void diagnose_prefill(const ctx *c, const capture *cc, const capture *cg, diagnosis *d) {
     int rows = cc->rows, H = cc->H;
-    double *ra = xmalloc((size_t)rows * 8), *rf = xmalloc((size_t)rows * 8);
+    double *ra = gpu_xmalloc((size_t)rows * 8), *rf = gpu_xmalloc((size_t)rows * 8);
     for (int t = 0; t < rows; t++)
         d->onset[t] = -1, d->cause[t] = CAUSE_NONE;
     for (int L = 0; L < cc->layers; L++) {
@@ -339,7 +330,7 @@ static void diagnose_prefill(const ctx *c, const capture *cc, const capture *cg,
 static void prefill_verdict(ctx *c, const char *test, const row_stats *s, const double *rel,
                             const diagnosis *d) {
     int over = 0, by[5] = {0};
-    double *sorted = xmalloc(PROMPT * 8);
+    double *sorted = gpu_xmalloc(PROMPT * 8);
     memcpy(sorted, rel, PROMPT * 8);
     double median = quantile(sorted, PROMPT, 0.5);
     free(sorted);
@@ -367,7 +358,7 @@ static void prefill_verdict(ctx *c, const char *test, const row_stats *s, const 
  * logit error": their 90th percentile, the typical error of a row that did
  * not take another discrete decision. */
 static double observed_error(const float *row_abs, int n) {
-    double *v = xmalloc((size_t)n * 8);
+    double *v = gpu_xmalloc((size_t)n * 8);
     for (int i = 0; i < n; i++)
         v[i] = row_abs[i];
     double q = quantile(v, n, 0.9);
@@ -392,7 +383,7 @@ static bool prefill_compare(ctx *c, const char *test, m3_seq sc, m3_seq sg, floa
     if (ran) {
         row_stats s = {0};
         int n = 0;
-        double *rel = xmalloc(PROMPT * 8);
+        double *rel = gpu_xmalloc(PROMPT * 8);
         diagnosis *d = calloc(1, sizeof *d);
         for (int t = 0; t < PROMPT; t++) {
             gpu_cmp r = gpu_compare_f32(all_g + (size_t)t * V, all_c + (size_t)t * V, V);
@@ -427,9 +418,9 @@ static void decode_verdict(ctx *c, const char *test, const row_stats *d, const d
 static void teacher_forced(ctx *c) {
     const char *t1 = "(a) prefill 700 rows", *t2 = "(a) 32 teacher-forced decode steps";
     int V = c->V;
-    float *all_c = xmalloc((size_t)PROMPT * V * 4), *all_g = xmalloc((size_t)PROMPT * V * 4);
-    float *lc = xmalloc((size_t)V * 4), *lg = xmalloc((size_t)V * 4);
-    float *row_abs = xmalloc((PROMPT + STEPS) * 4);
+    float *all_c = gpu_xmalloc((size_t)PROMPT * V * 4), *all_g = gpu_xmalloc((size_t)PROMPT * V * 4);
+    float *lc = gpu_xmalloc((size_t)V * 4), *lg = gpu_xmalloc((size_t)V * 4);
+    float *row_abs = gpu_xmalloc((PROMPT + STEPS) * 4);
     m3_seq sc = -1, sg = -1;
     if (!ok(c, t1, m3_seq_create(c->cpu, &sc), "seq") ||
         !ok(c, t1, m3_seq_create(c->gpu, &sg), "seq") ||
@@ -463,51 +454,15 @@ out:
 
 /* ------------------------------------------------------------ (b) */
 
-/* Tokens and, for each, the logits it was chosen from. */
-typedef struct trace {
-    int n, V;
-    int32_t tok[STEPS];
-    float *logits; /* [STEPS, V] */
-} trace;
-
-static int on_token(void *user, int32_t token, const float *logits, int vocab) {
-    trace *t = user;
-    if (t->n < STEPS) {
-        t->tok[t->n] = token;
-        memcpy(t->logits + (size_t)t->n * t->V, logits, (size_t)vocab * 4);
-        t->n++;
-    }
-    return 0;
-}
-
-static m3_status generate(m3_engine *e, const ctx *c, trace *t) {
-    m3_gen_opts go = m3_gen_defaults();
-    go.max_new_tokens = STEPS;
-    go.stop_at_eos = false;
-    go.on_token = on_token;
-    go.user = t;
-    m3_gen_result res;
-    m3_status st = m3_generate(e, c->prompt, PROMPT, &go, &res);
-    free(res.tokens);
-    return st;
-}
-
-/* The gap between the largest and the second largest logit. */
-static double top2_margin(const float *l, int V) {
-    int a = gpu_argmax(l, V);
-    double second = -INFINITY;
-    for (int i = 0; i < V; i++)
-        if (i != a && l[i] > second)
-            second = l[i];
-    return (double)l[a] - second;
-}
-
 static void free_running(ctx *c) {
     const char *t = "(b) greedy generation, 32 tokens";
-    trace tc = {0, c->V, {0}, xmalloc((size_t)STEPS * c->V * 4)};
-    trace tg = {0, c->V, {0}, xmalloc((size_t)STEPS * c->V * 4)};
-    if (!ok(c, t, generate(c->cpu, c, &tc), "CPU generate") ||
-        !ok(c, t, generate(c->gpu, c, &tg), "CUDA generate"))
+    gpu_trace tc, tg;
+    if (!gpu_trace_init(&tc, STEPS, c->V) || !gpu_trace_init(&tg, STEPS, c->V)) {
+        fprintf(stderr, "test_cuda_model: out of memory\n");
+        exit(1);
+    }
+    if (!ok(c, t, gpu_generate(c->cpu, c->prompt, PROMPT, &tc), "CPU generate") ||
+        !ok(c, t, gpu_generate(c->gpu, c->prompt, PROMPT, &tg), "CUDA generate"))
         goto out;
     int i = 0;
     while (i < tc.n && i < tg.n && tc.tok[i] == tg.tok[i])
@@ -523,7 +478,7 @@ static void free_running(ctx *c) {
     /* both chose token i from the same context: its logits are comparable */
     const float *lc = tc.logits + (size_t)i * c->V, *lg = tg.logits + (size_t)i * c->V;
     gpu_cmp d = gpu_compare_f32(lg, lc, c->V);
-    double margin = top2_margin(lc, c->V);
+    double margin = gpu_top2_margin(lc, c->V);
     bool near_tie = margin < c->observed_abs && !d.bad_special;
     /* logits beyond the bound at this step mean a routing or block choice
      * of this step (or of the context's rows) flipped, as (a) diagnoses;
@@ -535,8 +490,8 @@ static void free_running(ctx *c) {
            i, tc.tok[i], tg.tok[i], margin, near_tie ? "<" : ">=", c->observed_abs, d.rel_l2,
            flipped ? ": a discrete choice flipped" : "");
 out:
-    free(tc.logits);
-    free(tg.logits);
+    gpu_trace_free(&tc);
+    gpu_trace_free(&tg);
 }
 
 /* ------------------------------------------------------------ (c) */
@@ -571,7 +526,7 @@ static void graphs_vs_eager(ctx *c) {
         return;
     }
     size_t n = (size_t)(STEPS + 1) * c->V;
-    float *lg = xmalloc(n * 4), *le = xmalloc(n * 4);
+    float *lg = gpu_xmalloc(n * 4), *le = gpu_xmalloc(n * 4);
     int32_t sg[STEPS], se[STEPS];
     m3_engine_stats g0 = m3_engine_get_stats(c->gpu), e0 = m3_engine_get_stats(c->eager);
     if (decode_run(c, c->gpu, t, lg, sg) && decode_run(c, c->eager, t, le, se)) {
@@ -647,8 +602,8 @@ static void concurrency_case(ctx *c, int n) {
     char t[40];
     snprintf(t, sizeof t, "(d) %d concurrent sequences", n);
     size_t per = (size_t)n * BATCH_STEPS * c->V;
-    float *alone = xmalloc(per * 4), *batch = xmalloc(per * 4);
-    float *step = xmalloc((size_t)MAX_BATCH * c->V * 4);
+    float *alone = gpu_xmalloc(per * 4), *batch = gpu_xmalloc(per * 4);
+    float *step = gpu_xmalloc((size_t)MAX_BATCH * c->V * 4);
     m3_seq sa[MAX_BATCH], sb[MAX_BATCH];
     for (int i = 0; i < MAX_BATCH; i++)
         sa[i] = sb[i] = -1;
@@ -675,21 +630,6 @@ static void concurrency_case(ctx *c, int n) {
 
 /* ------------------------------------------------------------ setup */
 
-static void remove_dir(const char *dir) {
-    DIR *d = opendir(dir);
-    if (d) {
-        struct dirent *e;
-        char path[1024];
-        while ((e = readdir(d)))
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-                snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-                unlink(path);
-            }
-        closedir(d);
-    }
-    rmdir(dir);
-}
-
 static m3_status make_engine(m3_model *m, m3_device dev, bool graphs, m3_decode_path decode,
                              m3_engine **out) {
     m3_engine_opts o = m3_engine_defaults();
@@ -704,19 +644,10 @@ static m3_status make_engine(m3_model *m, m3_device dev, bool graphs, m3_decode_
 /* Synthesize, load, and create the three engines. */
 static bool setup(ctx *c, uint64_t *rng) {
     const char *t = "setup";
-    const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
-    snprintf(c->dir, sizeof c->dir, "%s/m3_gpu_model_%s_XXXXXX", tmp, c->preset);
-    if (!mkdtemp(c->dir)) {
-        record(c, t, "-", "FAIL", "cannot create a folder under %s", tmp);
-        c->dir[0] = 0;
+    if (!ok(c, t, gpu_synth_model(c->preset, "model", gpu_rng_next(rng), c->dir, sizeof c->dir,
+                                  &c->cfg, &c->model),
+            "synthesizing the model"))
         return false;
-    }
-    m3_synth_opts so = {gpu_rng_next(rng), false, 0};
-    if (!ok(c, t, m3_preset(c->preset, &c->cfg), "preset") ||
-        !ok(c, t, m3_synth(&c->cfg, c->dir, &so), "synth") ||
-        !ok(c, t, m3_model_load(c->dir, NULL, &c->model), "load"))
-        return false;
-    c->cfg = *m3_model_config(c->model);
     c->V = c->cfg.vocab_size;
     for (int i = 0; i < PROMPT; i++)
         c->prompt[i] = (int32_t)(gpu_rng_next(rng) % (uint64_t)c->V);
@@ -736,7 +667,7 @@ static void teardown(ctx *c) {
     m3_engine_free(c->eager);
     m3_model_free(c->model);
     if (c->dir[0])
-        remove_dir(c->dir);
+        gpu_remove_dir(c->dir);
 }
 
 static void run_preset(const char *preset, m3_decode_path decode, uint64_t *rng) {

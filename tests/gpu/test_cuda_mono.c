@@ -128,15 +128,6 @@ static void record(const char *variant, const char *test, const char *verdict, c
     fflush(stdout);
 }
 
-static void *xmalloc(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        fprintf(stderr, "test_cuda_mono: out of memory (%zu bytes)\n", bytes);
-        exit(1);
-    }
-    return p;
-}
-
 /* ------------------------------------------------------------ context */
 
 typedef struct ctx {
@@ -235,7 +226,7 @@ typedef struct snapshot {
 static m3_status snap(ctx *c, const m3_cache_layer *cl, snapshot *s) {
     s->kv_bytes = (size_t)c->eng->cache.n_pages * c->Nkv * PAGE * c->D * 2;
     s->idx_bytes = (size_t)c->eng->cache.n_pages * PAGE * c->Di * 2;
-    s->k = xmalloc(s->kv_bytes), s->v = xmalloc(s->kv_bytes), s->idx = xmalloc(s->idx_bytes);
+    s->k = gpu_xmalloc(s->kv_bytes), s->v = gpu_xmalloc(s->kv_bytes), s->idx = gpu_xmalloc(s->idx_bytes);
     M3_TRY(download(c, s->k, cl->k, s->kv_bytes));
     M3_TRY(download(c, s->v, cl->v, s->kv_bytes));
     return download(c, s->idx, cl->index, s->idx_bytes);
@@ -280,7 +271,7 @@ static double route_gap(const ctx *c, int layer, const uint16_t *x) {
     const m3_layer_weights *hw = &c->model->w.layers[layer];
     const float *w = hw->router.data, *bias = hw->router_bias.data;
     int E = c->cfg.num_experts, K = c->cfg.experts_per_tok, H = c->H;
-    double *keys = xmalloc((size_t)E * 8);
+    double *keys = gpu_xmalloc((size_t)E * 8);
     for (int e = 0; e < E; e++) {
         double l = 0;
         for (int k = 0; k < H; k++)
@@ -303,7 +294,7 @@ static double route_gap(const ctx *c, int layer, const uint16_t *x) {
 /* ------------------------------------------------------------ comparisons */
 
 static gpu_cmp cmp_bf16(const uint16_t *got, const uint16_t *ref, int64_t n) {
-    float *g = xmalloc((size_t)n * 4), *r = xmalloc((size_t)n * 4);
+    float *g = gpu_xmalloc((size_t)n * 4), *r = gpu_xmalloc((size_t)n * 4);
     for (int64_t i = 0; i < n; i++)
         g[i] = m3_bf16_to_f32(got[i]), r[i] = m3_bf16_to_f32(ref[i]);
     gpu_cmp c = gpu_compare_f32(g, r, n);
@@ -320,9 +311,9 @@ typedef struct outputs {
 } outputs;
 
 static void outputs_alloc(const ctx *c, outputs *o) {
-    o->hidden = xmalloc((size_t)MAXR * c->H * 2);
-    o->residual = xmalloc((size_t)MAXR * c->H * 2);
-    o->entries = xmalloc(entry_elems(c, MAXR) * 2);
+    o->hidden = gpu_xmalloc((size_t)MAXR * c->H * 2);
+    o->residual = gpu_xmalloc((size_t)MAXR * c->H * 2);
+    o->entries = gpu_xmalloc(entry_elems(c, MAXR) * 2);
 }
 
 static void outputs_free(outputs *o) { free(o->hidden), free(o->residual), free(o->entries); }
@@ -441,8 +432,8 @@ static void layer_case(ctx *c, int layer, int n) {
     m3_engine *e = c->eng;
     const m3_cache_layer *cl = &e->cache.layers[layer];
     int H = c->H;
-    uint16_t *h = xmalloc((size_t)MAXR * H * 2), *r = xmalloc((size_t)MAXR * H * 2);
-    uint16_t *x2 = xmalloc((size_t)MAXR * H * 2);
+    uint16_t *h = gpu_xmalloc((size_t)MAXR * H * 2), *r = gpu_xmalloc((size_t)MAXR * H * 2);
+    uint16_t *x2 = gpu_xmalloc((size_t)MAXR * H * 2);
     outputs ref, got;
     outputs_alloc(c, &ref);
     outputs_alloc(c, &got);
@@ -578,7 +569,7 @@ static void fault_cases(ctx *c) {
     outputs ref, got;
     outputs_alloc(c, &ref);
     outputs_alloc(c, &got);
-    uint16_t *h = xmalloc((size_t)MAXR * c->H * 2), *r = xmalloc((size_t)MAXR * c->H * 2);
+    uint16_t *h = gpu_xmalloc((size_t)MAXR * c->H * 2), *r = gpu_xmalloc((size_t)MAXR * c->H * 2);
     const char *t6 = "(6) slot past the pool";
     const char *t7 = "(7) block table page past the pool";
     if (!ok(c, t6, build_step(c, n), "build step") ||
@@ -749,63 +740,30 @@ static int fault_child(void) {
 
 static void trap_case(const char *name) {
     const char *t8 = "(8) planted fault traps (child)";
-    char path[] = "/tmp/m3_mono_child_XXXXXX";
-    int fd = mkstemp(path);
-    if (fd < 0) {
-        record(name, t8, "FAIL", "cannot create a temporary file");
-        return;
-    }
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-        execl("/proc/self/exe", "test_cuda_mono", "--fault-child", (char *)NULL);
-        _exit(127);
-    }
-    int status = 0;
-    if (pid < 0 || waitpid(pid, &status, 0) < 0) {
-        record(name, t8, "FAIL", "fork/wait failed");
-        close(fd);
-        unlink(path);
-        return;
-    }
+    char *argv[] = {"test_cuda_mono", "--fault-child", NULL};
     char out[8192];
-    ssize_t got = pread(fd, out, sizeof out - 1, 0);
-    out[got > 0 ? got : 0] = 0;
-    close(fd);
-    unlink(path);
+    int status = 0;
+    bool hung = false;
+    if (!gpu_run_child(argv, 300, out, sizeof out, &status, &hung)) {
+        record(name, t8, "FAIL", "could not run the child");
+        return;
+    }
     char want[160];
     snprintf(want, sizeof want, "m3: mono fault: %s (layer 7, row -1, value 0)",
              m3_mono_fault_name(M3_MONO_FAULT_PLANTED));
     bool died = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
     bool code_ok = !(WIFEXITED(status) && WEXITSTATUS(status) == 2); /* 2: setup failed */
     bool msg = strstr(out, want) != NULL;
-    record(name, t8, died && code_ok && msg ? "PASS" : "FAIL",
-           "child %s %d; message %s", WIFSIGNALED(status) ? "signal" : "exit",
+    bool pass = !hung && died && code_ok && msg;
+    record(name, t8, pass ? "PASS" : "FAIL", "child %s %d%s; message %s",
+           WIFSIGNALED(status) ? "signal" : "exit",
            WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status),
-           msg ? "found" : "MISSING");
-    if (!(died && code_ok && msg))
+           hung ? " (HUNG: killed)" : "", msg ? "found" : "MISSING");
+    if (!pass)
         printf("       child output:\n%s\n", out);
 }
 
 /* ------------------------------------------------------------ setup */
-
-static void remove_dir(const char *dir) {
-    DIR *d = opendir(dir);
-    if (d) {
-        struct dirent *e;
-        char path[1024];
-        while ((e = readdir(d)))
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-                snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-                unlink(path);
-            }
-        closedir(d);
-    }
-    rmdir(dir);
-}
 
 static bool setup(ctx *c, uint64_t *rng) {
     const char *t = "setup";
@@ -864,8 +822,8 @@ static bool setup(ctx *c, uint64_t *rng) {
         return false;
     /* prefill: lengths 600..1500, never a multiple of 128 */
     int V = c->cfg.vocab_size;
-    float *logits = xmalloc((size_t)V * 4);
-    int32_t *prompt = xmalloc(1600 * 4);
+    float *logits = gpu_xmalloc((size_t)V * 4);
+    int32_t *prompt = gpu_xmalloc(1600 * 4);
     bool good = true;
     for (int i = 0; i < NSEQ && good; i++) {
         int64_t len = 600 + (i * 577 + 13) % 900;
@@ -886,8 +844,8 @@ static bool setup(ctx *c, uint64_t *rng) {
     if (!good)
         return false;
     size_t L = (size_t)c->cfg.num_layers;
-    c->bi_hidden = xmalloc(L * NSEQ * c->H * 2);
-    c->bi_residual = xmalloc(L * NSEQ * c->H * 2);
+    c->bi_hidden = gpu_xmalloc(L * NSEQ * c->H * 2);
+    c->bi_residual = gpu_xmalloc(L * NSEQ * c->H * 2);
     c->bi_have = calloc(L * NSEQ, 1);
     int64_t lo = c->lens[0], hi = c->lens[0];
     for (int i = 1; i < NSEQ; i++)
@@ -905,7 +863,7 @@ static void teardown(ctx *c) {
     m3_engine_free(c->eng);
     m3_model_free(c->model);
     if (c->dir[0])
-        remove_dir(c->dir);
+        gpu_remove_dir(c->dir);
     free(c->bi_hidden), free(c->bi_residual), free(c->bi_have);
 }
 

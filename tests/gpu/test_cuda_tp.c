@@ -92,15 +92,6 @@ static bool ok(const ctx *c, const char *test, m3_status st, const char *what) {
     return false;
 }
 
-static void *xmalloc(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        fprintf(stderr, "test_cuda_tp: out of memory (%zu bytes)\n", bytes);
-        exit(1);
-    }
-    return p;
-}
-
 /* ------------------------------------------------------------ engines */
 
 static m3_status make_engine_cp(const ctx *c, m3_device dev, int tp, m3_decode_path decode,
@@ -125,7 +116,7 @@ static m3_status make_engine(const ctx *c, m3_device dev, int tp, m3_decode_path
 /* (b): every rank's hidden and residual rows [rows, H] equal rank 0's. */
 static bool ranks_agree(const ctx *c, m3_engine *f, int rows, char *why, size_t size) {
     size_t bytes = (size_t)rows * c->cfg.hidden_size * 2;
-    uint16_t *ref = xmalloc(2 * bytes), *got = xmalloc(2 * bytes);
+    uint16_t *ref = gpu_xmalloc(2 * bytes), *got = gpu_xmalloc(2 * bytes);
     bool same = true;
     for (int r = 0; r < f->tp_size && same; r++) {
         m3_engine *e = f->ranks[r];
@@ -188,8 +179,8 @@ static void teacher_forced(ctx *c, m3_engine *e, const char *label) {
     snprintf(ta, sizeof ta, "(a) %s: prefill + %d steps vs CPU", label, STEPS);
     snprintf(tb, sizeof tb, "(b) %s: ranks bit-identical", label);
     int V = c->V;
-    float *all_c = xmalloc((size_t)PROMPT * V * 4), *all_g = xmalloc((size_t)PROMPT * V * 4);
-    float *lc = xmalloc((size_t)V * 4), *lg = xmalloc((size_t)V * 4);
+    float *all_c = gpu_xmalloc((size_t)PROMPT * V * 4), *all_g = gpu_xmalloc((size_t)PROMPT * V * 4);
+    float *lc = gpu_xmalloc((size_t)V * 4), *lg = gpu_xmalloc((size_t)V * 4);
     row_errs *errs = calloc(1, sizeof *errs);
     m3_seq sc = -1, sg = -1;
     char why[256] = "";
@@ -234,48 +225,13 @@ out:
 
 /* ------------------------------------------------------------ (c) */
 
-typedef struct trace {
-    int n, V;
-    int32_t tok[GEN];
-    float *logits; /* [GEN, V] */
-} trace;
-
-static int on_token(void *user, int32_t token, const float *logits, int vocab) {
-    trace *t = user;
-    if (t->n < GEN) {
-        memcpy(t->logits + (size_t)t->n * t->V, logits, (size_t)vocab * 4);
-        t->tok[t->n++] = token;
-    }
-    return 0;
-}
-
-static m3_status generate(const ctx *c, m3_engine *e, trace *t) {
-    m3_gen_opts go = m3_gen_defaults();
-    go.max_new_tokens = GEN;
-    go.stop_at_eos = false;
-    go.on_token = on_token;
-    go.user = t;
-    m3_gen_result res;
-    m3_status st = m3_generate(e, c->prompt, 300, &go, &res);
-    free(res.tokens);
-    return st;
-}
-
-static double top2_margin(const float *l, int V) {
-    int a = gpu_argmax(l, V);
-    double second = -INFINITY;
-    for (int i = 0; i < V; i++)
-        if (i != a && l[i] > second)
-            second = l[i];
-    return (double)l[a] - second;
-}
-
 /* got against ref: equal tokens PASS; at the first divergence a near-tie
  * (ref's top-2 margin below the typical logit error of (a)) or logits
  * beyond the bound (a routed expert or block flipped somewhere in the
  * context: see test_cuda_model.c) WARN; logits within the bound that
  * disagree on a clear argmax FAIL. */
-static void tokens_verdict(const ctx *c, const char *test, const trace *got, const trace *ref) {
+static void tokens_verdict(const ctx *c, const char *test, const gpu_trace *got,
+                           const gpu_trace *ref) {
     int i = 0;
     while (i < got->n && i < ref->n && got->tok[i] == ref->tok[i])
         i++;
@@ -289,7 +245,7 @@ static void tokens_verdict(const ctx *c, const char *test, const trace *got, con
     }
     const float *lr = ref->logits + (size_t)i * c->V, *lg = got->logits + (size_t)i * c->V;
     gpu_cmp d = gpu_compare_f32(lg, lr, c->V);
-    double margin = top2_margin(lr, c->V);
+    double margin = gpu_top2_margin(lr, c->V);
     bool near_tie = margin < c->observed_abs && !d.bad_special;
     bool flipped = d.rel_l2 > TOL && !d.bad_special;
     record(c, test, near_tie || flipped ? "WARN" : "FAIL",
@@ -301,12 +257,15 @@ static void tokens_verdict(const ctx *c, const char *test, const trace *got, con
 static void greedy(ctx *c) {
     m3_engine *engines[4] = {c->cpu, c->g1, c->gs, c->gm};
     const char *names[4] = {"CPU TP 1", "CUDA TP 1", "stock", "mono"};
-    trace t[4];
-    for (int k = 0; k < 4; k++)
-        t[k] = (trace){0, c->V, {0}, xmalloc((size_t)GEN * c->V * 4)};
+    gpu_trace t[4];
     bool all = true;
+    for (int k = 0; k < 4; k++)
+        all &= gpu_trace_init(&t[k], GEN, c->V);
+    if (!all)
+        record(c, "(c) greedy generation", "FAIL", "out of memory");
     for (int k = 0; k < 4 && all; k++)
-        all = ok(c, "(c) greedy generation", generate(c, engines[k], &t[k]), names[k]);
+        all = ok(c, "(c) greedy generation", gpu_generate(engines[k], c->prompt, 300, &t[k]),
+                 names[k]);
     for (int k = 2; k < 4 && all; k++)
         for (int ref = 0; ref < 2; ref++) {
             char test[64];
@@ -315,7 +274,7 @@ static void greedy(ctx *c) {
             tokens_verdict(c, test, &t[k], &t[ref]);
         }
     for (int k = 0; k < 4; k++)
-        free(t[k].logits);
+        gpu_trace_free(&t[k]);
 }
 
 /* ------------------------------------------------------------ (g) */
@@ -326,7 +285,7 @@ static void indexer_cp(ctx *c) {
     const char *t = "(g) indexer CP: decode logits == no CP";
     m3_engine *e = NULL;
     int V = c->V;
-    float *la = xmalloc((size_t)V * 4), *lb = xmalloc((size_t)V * 4);
+    float *la = gpu_xmalloc((size_t)V * 4), *lb = gpu_xmalloc((size_t)V * 4);
     m3_seq sa = -1, sb = -1;
     int same = 0;
     if (!ok(c, t, make_engine_cp(c, M3_DEVICE_CUDA, c->world, M3_DECODE_STOCK, true, &e),
@@ -379,7 +338,7 @@ static void rank_failure(ctx *c) {
     if (!ok(c, t, make_engine(c, M3_DEVICE_CUDA, c->world, M3_DECODE_STOCK, &e), "engine"))
         return;
     m3_seq s = -1;
-    float *lg = xmalloc((size_t)c->V * 4);
+    float *lg = gpu_xmalloc((size_t)c->V * 4);
     if (!ok(c, t, m3_seq_create(e, &s), "seq"))
         goto out;
     e->ranks[1]->layer_hook = abort_hook;
@@ -427,7 +386,7 @@ static int fault_child(const char *dir, int world) {
         toks[i] = i + 1;
     if (!st)
         st = m3_seq_create(e, &s);
-    float *logits = st ? NULL : xmalloc((size_t)m3_model_config(c.model)->vocab_size * 4);
+    float *logits = st ? NULL : gpu_xmalloc((size_t)m3_model_config(c.model)->vocab_size * 4);
     m3_request q = {s, toks, 64}, d = {s, toks, 1};
     if (!st)
         st = m3_engine_step(e, &q, 1, logits, NULL);
@@ -452,46 +411,23 @@ static int fault_child(const char *dir, int world) {
 
 static void fault_case(ctx *c) {
     const char *t = "(e) planted mono fault on rank 1 (child)";
-    char path[] = "/tmp/m3_tp_child_XXXXXX";
-    int fd = mkstemp(path);
-    if (fd < 0) {
-        record(c, t, "FAIL", "cannot create a temporary file");
-        return;
-    }
     char world[8];
     snprintf(world, sizeof world, "%d", c->world);
-    fflush(stdout);
-    fflush(stderr);
-    double t0 = now_s();
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-        execl("/proc/self/exe", "test_cuda_tp", "--fault-child", c->dir, world, (char *)NULL);
-        _exit(127);
-    }
+    char *argv[] = {"test_cuda_tp", "--fault-child", c->dir, world, NULL};
+    char out[8192];
     int status = 0;
     bool hung = false;
-    while (pid > 0 && waitpid(pid, &status, WNOHANG) == 0) {
-        if (now_s() - t0 > 120) {
-            kill(pid, SIGKILL);
-            waitpid(pid, &status, 0);
-            hung = true;
-            break;
-        }
-        usleep(100000);
+    double t0 = now_s();
+    if (!gpu_run_child(argv, 120, out, sizeof out, &status, &hung)) {
+        record(c, t, "FAIL", "could not run the child");
+        return;
     }
-    char out[8192];
-    ssize_t got = pread(fd, out, sizeof out - 1, 0);
-    out[got > 0 ? got : 0] = 0;
-    close(fd);
-    unlink(path);
     bool died = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
     bool setup_ok = !(WIFEXITED(status) && WEXITSTATUS(status) == 2);
     char want[96];
     snprintf(want, sizeof want, "m3: mono fault: %s", m3_mono_fault_name(M3_MONO_FAULT_PLANTED));
     bool msg = strstr(out, want) != NULL;
-    bool pass = pid > 0 && !hung && died && setup_ok && msg;
+    bool pass = !hung && died && setup_ok && msg;
     record(c, t, pass ? "PASS" : "FAIL", "child %s %d after %.1f s%s; message %s",
            WIFSIGNALED(status) ? "signal" : "exit",
            WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status), now_s() - t0,
@@ -502,36 +438,12 @@ static void fault_case(ctx *c) {
 
 /* ------------------------------------------------------------ setup */
 
-static void remove_dir(const char *dir) {
-    DIR *d = opendir(dir);
-    if (d) {
-        struct dirent *e;
-        char path[1024];
-        while ((e = readdir(d)))
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-                snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-                unlink(path);
-            }
-        closedir(d);
-    }
-    rmdir(dir);
-}
-
 static bool setup(ctx *c, uint64_t *rng) {
     const char *t = "setup";
-    const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
-    snprintf(c->dir, sizeof c->dir, "%s/m3_gpu_tp_%s_XXXXXX", tmp, c->preset);
-    if (!mkdtemp(c->dir)) {
-        record(c, t, "FAIL", "cannot create a folder under %s", tmp);
-        c->dir[0] = 0;
+    if (!ok(c, t, gpu_synth_model(c->preset, "tp", gpu_rng_next(rng), c->dir, sizeof c->dir,
+                                  &c->cfg, &c->model),
+            "synthesizing the model"))
         return false;
-    }
-    m3_synth_opts so = {gpu_rng_next(rng), false, 0};
-    if (!ok(c, t, m3_preset(c->preset, &c->cfg), "preset") ||
-        !ok(c, t, m3_synth(&c->cfg, c->dir, &so), "synth") ||
-        !ok(c, t, m3_model_load(c->dir, NULL, &c->model), "load"))
-        return false;
-    c->cfg = *m3_model_config(c->model);
     c->V = c->cfg.vocab_size;
     for (int i = 0; i < PROMPT; i++)
         c->prompt[i] = (int32_t)(gpu_rng_next(rng) % (uint64_t)c->V);
@@ -581,7 +493,7 @@ static void run_preset(const char *preset, int gpus, uint64_t *rng) {
     m3_engine_free(c->gm);
     m3_model_free(c->model);
     if (c->dir[0])
-        remove_dir(c->dir);
+        gpu_remove_dir(c->dir);
     free(c);
 }
 
