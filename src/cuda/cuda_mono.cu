@@ -134,7 +134,7 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
-    int spin_ns, pf_chunks, poll_acquire, stage_async, edn_once; /* tuning knobs (m3_cuda_mono_create) */
+    int spin_ns, pf_chunks, poll_acquire, stage_async; /* tuning knobs (see m3_cuda_mono_create) */
 };
 
 #define MONO_FAIL(st, ...) m3_fail((st), "mono: " __VA_ARGS__)
@@ -291,17 +291,12 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * M3_MONO_PF_CHUNKS: how many 1024-column chunks ahead a GEMV item asks
      * L2 for its weights (0: none); M3_MONO_POLL_ACQUIRE=1: every poll an
      * acquire load; M3_MONO_STAGE_ASYNC=0: GEMV activations staged by
-     * load + store instead of cp.async; M3_MONO_EDN_ONCE=1: a routed down
-     * item stages its activations once for all its tiles and its warps run
-     * through the tiles without barriers (expert widths up to 1024). None
-     * changes results.
-     * Out-of-range values keep the defaults (docs/PERF.md has the
-     * measurements). */
+     * load + store instead of cp.async. None changes results. Out-of-range
+     * values keep the defaults (docs/PERF.md has the measurements). */
     m->spin_ns = env_int("M3_MONO_SPIN_NS", 64, 0, 1000000);
     m->pf_chunks = env_int("M3_MONO_PF_CHUNKS", 2, 0, 6);
     m->poll_acquire = env_int("M3_MONO_POLL_ACQUIRE", 0, 0, 1);
     m->stage_async = env_int("M3_MONO_STAGE_ASYNC", 1, 0, 1);
-    m->edn_once = env_int("M3_MONO_EDN_ONCE", 0, 0, 1);
     /* K splits as the stock linear op takes them (16-row CTAs; the router's
      * fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -749,7 +744,6 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.pf_chunks = m->pf_chunks;
     a.poll_acquire = m->poll_acquire;
     a.stage_async = m->stage_async;
-    a.edn_once = m->edn_once;
     a.trace = m->tracing ? m->trace : NULL;
     a.trace_n = m->trace_n;
     a.trace_cap = m->trace_cap;

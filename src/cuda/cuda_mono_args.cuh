@@ -123,7 +123,6 @@ struct MonoArgs {
     int spin_ns, pf_chunks;
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed polls, one acquire) */
     int stage_async;  /* M3_MONO_STAGE_ASYNC (default 1): GEMV activations staged with cp.async */
-    int edn_once;     /* M3_MONO_EDN_ONCE: routed down items stage activations once */
     /* item trace (M3_MONO_TRACE): [cap] x {meta, start ns, end ns, inputs ready ns} */
     unsigned long long *trace;
     unsigned *trace_n;

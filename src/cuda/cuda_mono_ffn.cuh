@@ -388,46 +388,6 @@ __host__ __device__ __forceinline__ int edn_groups(int H) {
     return (H / kTile + kEdnSub - 1) / kEdnSub;
 }
 
-/* edn_item's tiles for one member group when the expert width fits one
- * staged chunk (I <= kKC; M3_MONO_EDN_ONCE=1): the group's activations are
- * staged once for all the item's tiles (not once per tile, with two CTA
- * barriers each), and each warp then runs through its rows of every tile
- * on its own (loads, products, its warp reduction, its outputs), with no
- * barrier between tiles, so one warp's loads overlap another's sums. Each
- * output is the same sum in the same order as gemv_rows gives it (one
- * chunk, then the warp reduction), so the bits do not change. ctl.mem and
- * ctl.rowp hold the group (written before the call). */
-template <int ENR, bool FP8>
-__device__ void edn_tiles_staged_once(const MonoArgs &a, const Ctl &ctl, uint16_t *xs,
-                                      const WRow &W, int tile0, int ntile, int rows) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t n0 = (int64_t)tile0 * kTile + warp * kRW;
-    __syncthreads(); /* the group's rows are set; xs is free */
-    stage_x<ENR>(xs, ctl.rowp, rows, 0, a.I);
-    __syncthreads();
-    for (int j = 0; j < ntile; j++) {
-        const int64_t nj = n0 + (int64_t)j * kTile;
-        WBuf<FP8> b;
-        chunk_load<FP8>(b, W, nj, a.H, 0, a.I, lane); /* zeros past H: nothing read */
-        float acc[kRW][ENR];
-#pragma unroll
-        for (int r = 0; r < kRW; r++)
-#pragma unroll
-            for (int t = 0; t < ENR; t++)
-                acc[r][t] = 0.0f;
-        if (nj < a.H)
-            chunk_fma<ENR, FP8>(acc, b, a.I, xs, lane);
-#pragma unroll
-        for (int r = 0; r < kRW; r++)
-#pragma unroll
-            for (int t = 0; t < ENR; t++) {
-                float v = m3_warp_sum(acc[r][t]);
-                if ((r * ENR + t) % 32 == lane && t < rows && nj + r < a.H)
-                    a.eout[(size_t)ctl.mem[t] * a.H + nj + r] = v;
-            }
-    }
-}
-
 template <int ENR>
 __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                          bool faulted) {
@@ -444,25 +404,6 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
                       pf_end(0, a.I));
     }
     wait_count(&a.ctr[a.o_egu + u], (unsigned)(a.I / 4));
-    if (!faulted && a.edn_once && a.I <= kKC) {
-        const WRow W = wrow_expert(a.ed, e);
-        for (int g0 = f0; g0 < f1; g0 += ENR) {
-            const int rows = min(ENR, f1 - g0);
-            if ((int)threadIdx.x < rows) {
-                int m = __ldcg(a.members + g0 + threadIdx.x);
-                ctl.mem[threadIdx.x] = m;
-                ctl.rowp[threadIdx.x] = a.act + (size_t)m * a.I;
-            }
-            uint16_t *xs = reinterpret_cast<uint16_t *>(dsm);
-            if (W.fp8)
-                edn_tiles_staged_once<ENR, true>(a, ctl, xs, W, tile0, ntile, rows);
-            else
-                edn_tiles_staged_once<ENR, false>(a, ctl, xs, W, tile0, ntile, rows);
-            __syncthreads(); /* mem / rowp / xs are rewritten by the next group */
-        }
-        combine_arrive_n(a, ctl, tile0, ntile, faulted);
-        return;
-    }
     for (int j = 0; j < ntile; j++) {
         const int tile = tile0 + j;
         if (!faulted) {
