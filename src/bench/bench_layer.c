@@ -402,7 +402,7 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
     if (!st && b.mono)
         st = on_ranks(&b, bind_mono);
     if (!st) /* one GPU's: every rank reads its own memory */
-        st = r0->be->ops->bind_thread(r0->be);
+        st = m3_engine_bind_thread(r0);
     if (!st)
         st = m3_cuda_read_bandwidth(r0->be, (size_t)4 << 30, 20, &out->read_gb_per_s);
     if (!st)

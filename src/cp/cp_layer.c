@@ -86,8 +86,7 @@ m3_status m3_cp_layer_select(m3_engine *eng, const m3_step *st, const void *icac
                               c->index_heads,  icache,         st->n_pages,
                               st->dev.block_table, st->max_blocks, st->dev.seq_lens,
                               eng->cache.max_context, eng->cp_err};
-        M3_TRY(m3_cuda_cp_layer_select(eng->be, eng->comm, &l, scale, p, eng->s.selected));
-        return M3_OK;
+        return m3_cuda_cp_layer_select(eng->be, eng->comm, &l, scale, p, eng->s.selected);
     }
     m3_cp_rows r = {st->rows,
                     st->n_reqs,

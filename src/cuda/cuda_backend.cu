@@ -46,6 +46,20 @@ extern "C" m3_status m3_cuda_workspace(m3_cuda *cu, int slot, size_t bytes, void
     return M3_OK;
 }
 
+extern "C" m3_status m3_cuda_workspace_parts(m3_cuda *cu, int slot, const size_t *sizes, int n,
+                                             void **parts) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += (sizes[i] + 255) / 256 * 256;
+    char *base;
+    M3_TRY(m3_cuda_workspace(cu, slot, total, (void **)&base));
+    for (int i = 0; i < n; i++) {
+        parts[i] = base;
+        base += (sizes[i] + 255) / 256 * 256;
+    }
+    return M3_OK;
+}
+
 /* ------------------------------------------------------------ memory */
 
 static m3_status cuda_alloc(m3_backend *be, size_t bytes, void **ptr) {

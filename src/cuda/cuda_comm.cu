@@ -293,6 +293,19 @@ static m3_status group_wait(m3_cuda *cu, void *arg) {
     }
 }
 
+/* out [world * count] <- every rank's in [count], rank-major, on the rank's
+ * stream; an NCCL failure kills the group. */
+static m3_status rank_gather(cuda_comm *x, const void *in, void *out, size_t count,
+                             ncclDataType_t type) {
+    ncclResult_t r = g_nccl.all_gather(in, out, count, type, x->g->comms[x->rank],
+                                       m3_cuda_of(x->be)->stream);
+    if (r == ncclSuccess)
+        return M3_OK;
+    m3_status st = nccl_error(r, "ncclAllGather");
+    group_kill(x->g, x->rank, m3_last_error());
+    return st;
+}
+
 /* buf [n] <- the ranks' buf, gathered by NCCL into the workspace, then
  * summed in rank order on the rank's stream. */
 template <typename T>
@@ -304,12 +317,7 @@ static m3_status gather_sum(m3_comm *c, T *buf, int64_t n, ncclDataType_t type) 
     m3_cuda *cu = m3_cuda_of(x->be);
     void *ws;
     M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_COMM, (size_t)x->g->world * n * sizeof(T), &ws));
-    ncclResult_t r = g_nccl.all_gather(buf, ws, (size_t)n, type, x->g->comms[x->rank], cu->stream);
-    if (r != ncclSuccess) {
-        m3_status st = nccl_error(r, "ncclAllGather");
-        group_kill(x->g, x->rank, m3_last_error());
-        return st;
-    }
+    M3_TRY(rank_gather(x, buf, ws, (size_t)n, type));
     int64_t blocks = (n + 255) / 256;
     rank_sum_kernel<T><<<(unsigned)(blocks < 1024 ? blocks : 1024), 256, 0, cu->stream>>>(
         (const T *)ws, x->g->world, n, buf);
@@ -330,16 +338,7 @@ static m3_status cc_sum_bf16(m3_comm *c, uint16_t *buf, int64_t n) {
 static m3_status cc_all_gather(m3_comm *c, const void *in, void *out, int64_t bytes) {
     cuda_comm *x = impl(c);
     M3_TRY(check_live(x));
-    if (bytes <= 0)
-        return M3_OK;
-    ncclResult_t r = g_nccl.all_gather(in, out, (size_t)bytes, ncclUint8, x->g->comms[x->rank],
-                                       m3_cuda_of(x->be)->stream);
-    if (r != ncclSuccess) {
-        m3_status st = nccl_error(r, "ncclAllGather");
-        group_kill(x->g, x->rank, m3_last_error());
-        return st;
-    }
-    return M3_OK;
+    return bytes > 0 ? rank_gather(x, in, out, (size_t)bytes, ncclUint8) : M3_OK;
 }
 
 /* Host decisions through the threads communicator; a dead group (or a

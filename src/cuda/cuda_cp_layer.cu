@@ -66,18 +66,9 @@ extern "C" m3_status m3_cuda_cp_layer_select(m3_backend *be, m3_comm *comm,
     size_t sizes[6] = {(size_t)W * q_bytes, (size_t)W * q_bytes, (size_t)(items * local * 4),
                        (size_t)(items * topk * 8), (size_t)(W * items * topk * 8),
                        (size_t)(items * topk * 4)};
-    size_t total = 0;
-    for (size_t s : sizes)
-        total += (s + 255) / 256 * 256;
-    char *base;
-    M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_CP, total, (void **)&base));
     void *part[6];
-    for (int i = 0; i < 6; i++) {
-        part[i] = base;
-        base += (sizes[i] + 255) / 256 * 256;
-    }
+    M3_TRY(m3_cuda_workspace_parts(cu, M3_CUDA_WS_CP, sizes, 6, part));
     in.q = (const uint16_t *)part[1];
-    in.pages = l->pages;
     M3_TRY(m3_cuda_cp_check(&in, l->max_seq_len, rank, W, p));
     M3_TRY(comm->ops->all_gather(comm, l->iq, part[0], (int64_t)q_bytes));
     int64_t chunks = (int64_t)W * T * Nl * kChunks;

@@ -92,6 +92,10 @@ m3_status m3_cuda_stream_wait(m3_cuda *cu);
  * capture; while capturing a growth is an error (a warm-up step must have
  * sized it). */
 m3_status m3_cuda_workspace(m3_cuda *cu, int slot, size_t bytes, void **out);
+/* Workspace `slot` cut into n parts: parts[i] of sizes[i] bytes, each part
+ * 256-byte aligned (an op's several scratch arrays in one buffer). */
+m3_status m3_cuda_workspace_parts(m3_cuda *cu, int slot, const size_t *sizes, int n,
+                                  void **parts);
 
 /* ---- ops (see backend.h for each contract) ---- */
 /* cuda_elementwise.cu */

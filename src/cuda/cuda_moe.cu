@@ -241,16 +241,8 @@ static m3_status carve(m3_cuda *cu, int T, int E, int k, int64_t H, int64_t I, i
                         (size_t)(E + 1) * 4, (size_t)n * 4, 4, (size_t)(n * I * 2),
                         (size_t)(n * H * out_size), (size_t)(T * Is * 2), (size_t)(T * Is * 2),
                         (size_t)(T * Is * 2), (size_t)(T * H * out_size)};
-    size_t total = 0;
-    for (int i = 0; i < 13; i++)
-        total += (sizes[i] + 255) / 256 * 256;
-    char *base;
-    M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_MOE, total, (void **)&base));
     void *p[13];
-    for (int i = 0; i < 13; i++) {
-        p[i] = base;
-        base += (sizes[i] + 255) / 256 * 256;
-    }
+    M3_TRY(m3_cuda_workspace_parts(cu, M3_CUDA_WS_MOE, sizes, 13, p));
     w->logits = (float *)p[0];
     w->weights = (float *)p[1];
     w->ids = (int32_t *)p[2];

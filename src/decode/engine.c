@@ -158,16 +158,14 @@ static m3_status check_opts(const m3_config *c, m3_engine_opts *o) {
     return M3_OK;
 }
 
-/* The caller's thread works on e's device (engines on several GPUs may
- * share one thread). */
-static m3_status bind_thread(m3_engine *e) {
+m3_status m3_engine_bind_thread(m3_engine *e) {
     return e->be && e->be->ops->bind_thread ? e->be->ops->bind_thread(e->be) : M3_OK;
 }
 
 static void free_rank(m3_engine *e) {
     if (!e)
         return;
-    (void)bind_thread(e); /* a GPU rank frees on its own GPU */
+    (void)m3_engine_bind_thread(e); /* a GPU rank frees on its own GPU */
     m3_mono_free(e->mono);
     if (e->be) {
         free_graphs(e);
@@ -256,10 +254,12 @@ static m3_status create_rank(m3_model *model, const m3_engine_opts *opts, int ra
     if (!st && !comm)
         st = m3_comm_create_single(&e->comm);
     if (!st && gpus) { /* collectives through NCCL, decisions through comm */
-        st = m3_cuda_comm_create(gpus, rank, e->be, comm, &e->comm);
-        e->own_comm = !st;
-        if (st)
-            e->comm = comm;
+        m3_comm *gpu_comm = NULL;
+        st = m3_cuda_comm_create(gpus, rank, e->be, comm, &gpu_comm);
+        if (!st) {
+            e->comm = gpu_comm;
+            e->own_comm = true;
+        }
     }
     const m3_weights *host = &model->w;
     if (!st && tp > 1) {
@@ -333,7 +333,7 @@ static m3_status connect_gpus(m3_engine *f) {
     for (int r = 0; r < f->tp_size; r++) {
         m3_engine *e = f->ranks[r];
         snprintf(e->mono_refused, sizeof e->mono_refused, "%s", f->mono_refused);
-        (void)bind_thread(e);
+        (void)m3_engine_bind_thread(e);
         m3_mono_free(e->mono);
         e->mono = NULL;
     }
@@ -690,7 +690,7 @@ m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float
                        "buffer are required");
     if (e->ranks[0])
         return m3_tp_front_step(e, reqs, n_reqs, logits, all_logits);
-    M3_TRY(bind_thread(e));
+    M3_TRY(m3_engine_bind_thread(e));
     int rows = 0;
     M3_TRY(check_requests(e, reqs, n_reqs, &rows));
     int R = scratch_rows(e);
@@ -746,7 +746,7 @@ m3_status m3_engine_decode(m3_engine *e, const m3_request *reqs, int n_reqs,
                            "m3_engine_decode: request %d has %d tokens; a decode step has one",
                            q, reqs[q].n_tokens);
     size_t V = (size_t)e->cfg.vocab_size;
-    M3_TRY(bind_thread(e));
+    M3_TRY(m3_engine_bind_thread(e));
     if (!device_can_sample(e, sampler)) {
         float *buf = logits ? logits : m3_malloc((size_t)n_reqs * V * 4, "logits");
         if (!buf)

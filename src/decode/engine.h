@@ -93,6 +93,10 @@ m3_status m3_stock_layer(m3_engine *eng, const m3_step *step, int layer, bool fi
 /* Run fn(rank engine, arg) on every rank of a front at once, one thread
  * each (collectives inside fn need every rank); the first rank's own
  * failure is returned (engine_tp.c). */
+/* Make the calling thread work on e's device (a GPU rank's thread before
+ * its work; engines on several GPUs may share one thread). No-op on the CPU. */
+m3_status m3_engine_bind_thread(m3_engine *e);
+
 m3_status m3_tp_run_all(m3_engine *front, m3_status (*fn)(m3_engine *rank, void *arg), void *arg);
 
 /* A step of a TP front engine (engine_tp.c): every rank on its own thread. */

@@ -26,8 +26,7 @@ typedef struct rank_job {
 
 static void *rank_main(void *p) {
     rank_job *j = p;
-    m3_backend *be = j->e->be;
-    j->st = be && be->ops->bind_thread ? be->ops->bind_thread(be) : M3_OK; /* its GPU */
+    j->st = m3_engine_bind_thread(j->e); /* its GPU */
     if (!j->st)
         j->st = j->fn(j->e, j->arg);
     if (j->st)

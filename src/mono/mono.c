@@ -275,8 +275,7 @@ m3_status m3_mono_connect_gpus(m3_mono *const *monos, int world) {
         faults[r] = m3_cuda_mono_fault_word(monos[r]->exec);
     }
     for (int r = 0; r < world; r++) {
-        m3_backend *be = monos[r]->eng->be;
-        M3_TRY(be->ops->bind_thread(be));
+        M3_TRY(m3_engine_bind_thread(monos[r]->eng));
         m3_status st = m3_cuda_mono_set_peers(monos[r]->exec, landings, faults, world);
         if (st)
             return m3_fail_context(st, "TP rank %d", r);

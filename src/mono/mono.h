@@ -89,15 +89,15 @@ int m3_mono_model_refusals(const struct m3_engine *eng, const m3_mono_config *cf
  * (cpu/cpu_mono.h) at TP > 1 on the CPU, else NULL. */
 m3_status m3_mono_create(struct m3_engine *eng, const m3_mono_config *cfg, void *group,
                          m3_mono **out);
-/* Check and identify the layers' caches; rebind only what changed.
- * Collective: a failure on any rank fails every rank. capturing: a graph
- * capture is in progress (a first bind or a rebind then is an error). */
 /* GPUs at TP > 1, after every rank's m3_mono_create and with peer access
  * between the GPUs on: hand each rank's fused kernels every rank's landing
  * area and fault word (monos[r] is rank r's; the in-kernel all-reduce and
  * abort_all write into peers' memory). */
 m3_status m3_mono_connect_gpus(m3_mono *const *monos, int world);
 
+/* Check and identify the layers' caches; rebind only what changed.
+ * Collective: a failure on any rank fails every rank. capturing: a graph
+ * capture is in progress (a first bind or a rebind then is an error). */
 m3_status m3_mono_bind_cache(m3_mono *m, const m3_cache *cache, int64_t n_pages, bool capturing);
 
 /* decide_step alone (no side effects). */

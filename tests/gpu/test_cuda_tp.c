@@ -121,7 +121,7 @@ static bool ranks_agree(const ctx *c, m3_engine *f, int rows, char *why, size_t 
     for (int r = 0; r < f->tp_size && same; r++) {
         m3_engine *e = f->ranks[r];
         uint16_t *dst = r ? got : ref;
-        m3_status st = e->be->ops->bind_thread(e->be);
+        m3_status st = m3_engine_bind_thread(e);
         if (!st)
             st = e->be->ops->download(e->be, dst, e->s.hidden, bytes);
         if (!st)
@@ -395,7 +395,7 @@ static int fault_child(const char *dir, int world) {
     if (!st && !e->ranks[1]->mono)
         st = m3_fail(M3_ERR_INTERNAL, "rank 1 has no mono path");
     if (!st)
-        st = e->ranks[1]->be->ops->bind_thread(e->ranks[1]->be);
+        st = m3_engine_bind_thread(e->ranks[1]);
     if (!st)
         st = m3_mono_plant_fault(e->ranks[1]->mono, M3_MONO_FAULT_PLANTED, 1);
     if (st) {
