@@ -14,6 +14,9 @@
  * rank's, and the floor is one rank's bytes over one GPU's bandwidth. The
  * stock path's all-reduces are also timed alone (the same sizes, captured
  * and replayed the same way): the all-reduce cost inside the layer time.
+ * Path "stock-cp" is the stock path with indexer context parallelism (TP
+ * over GPUs): each rank scores its share of the blocks, so its floor
+ * counts that share of the index cache.
  */
 #include "bench/bench_layer.h"
 
@@ -63,8 +66,10 @@ static double expert_bytes(const m3_layer_weights *w) {
                   : 0;
 }
 
-/* Cache bytes one row at kv_len must read in the layer. */
-static double cache_bytes_per_row(const m3_config *c, const m3_layer_weights *w, int64_t kv_len) {
+/* Cache bytes one row at kv_len must read in the layer on one rank;
+ * index_share: the share of the (replicated) index cache it scores. */
+static double cache_bytes_per_row(const m3_config *c, const m3_layer_weights *w, int64_t kv_len,
+                                  double index_share) {
     double kv_token = 2.0 * c->num_kv_heads * c->head_dim * 2; /* K and V, bf16 */
     if (!w->sparse)
         return (double)kv_len * kv_token;
@@ -75,7 +80,7 @@ static double cache_bytes_per_row(const m3_config *c, const m3_layer_weights *w,
         attended = c->local_blocks > 0 ? (int64_t)(c->topk_blocks - 1) * M3_PAGE_TOKENS + last
                                        : (int64_t)c->topk_blocks * M3_PAGE_TOKENS;
     }
-    double index = (double)kv_len * c->index_dim * 2;
+    double index = (double)kv_len * c->index_dim * 2 * index_share;
     return (double)attended * kv_token + index;
 }
 
@@ -94,6 +99,7 @@ typedef struct bench_ctx {
     const m3_layer_weights *w; /* rank 0's */
     m3_seq *seqs; /* [sets * rows] */
     bool mono;    /* the mono path's layer, else the stock path's */
+    bool cp;      /* the stock path with indexer context parallelism */
     /* the point being timed, shared by the rank threads */
     int rows, sets, iters;
     double *us;   /* [world][iters]: each rank's replay times */
@@ -282,7 +288,7 @@ static m3_status run_point(bench_ctx *b, int rows, int64_t context, int iters, d
     p->layer = b->layer;
     p->rows = rows;
     p->context = context;
-    p->path = b->mono ? "mono" : "stock";
+    p->path = b->mono ? "mono" : b->cp ? "stock-cp" : "stock";
     p->sets = sets;
     p->tp = b->world;
     m3_status st = M3_OK;
@@ -301,7 +307,7 @@ static m3_status run_point(bench_ctx *b, int rows, int64_t context, int iters, d
     if (st)
         return m3_fail_context(st, "rows %d, context %lld", rows, (long long)context);
     p->weight_bytes = fixed_weight_bytes(b->w) + p->unique_experts * expert_bytes(b->w);
-    p->cache_bytes = rows * cache_bytes_per_row(c, b->w, context);
+    p->cache_bytes = rows * cache_bytes_per_row(c, b->w, context, b->cp ? 1.0 / b->world : 1.0);
     p->bytes = p->weight_bytes + p->cache_bytes;
     p->floor_us = p->bytes / (gbps * 1e9) * 1e6;
     return M3_OK;
@@ -334,11 +340,15 @@ static void capacity(const m3_bench_layer_opts *o, const m3_config *c,
 }
 
 static m3_status check_opts(const m3_bench_layer_opts *o, const m3_config *c, int layer) {
-    if (strcmp(o->path, "stock") && strcmp(o->path, "mono"))
-        return m3_fail(M3_ERR_UNSUPPORTED, "bench path '%s': expected stock or mono", o->path);
+    if (strcmp(o->path, "stock") && strcmp(o->path, "mono") && strcmp(o->path, "stock-cp"))
+        return m3_fail(M3_ERR_UNSUPPORTED, "bench path '%s': expected stock, mono or stock-cp",
+                       o->path);
     if (layer < 0 || layer >= c->num_layers)
         return m3_fail(M3_ERR_INVALID_ARG, "layer %d: the model has %d layers", layer,
                        c->num_layers);
+    if (!strcmp(o->path, "stock-cp") && !c->layer_sparse[layer])
+        return m3_fail(M3_ERR_INVALID_ARG, "bench path stock-cp: layer %d is not a sparse layer",
+                       layer);
     if (o->iters < 1 || o->n_rows < 1 || o->n_contexts < 1)
         return m3_fail(M3_ERR_INVALID_ARG, "bench needs iterations, rows and contexts");
     for (int j = 0; j < o->n_rows; j++)
@@ -385,7 +395,9 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
     eo.graphs = true; /* capacity-wide block tables: one capture per row count */
     eo.max_rows = M3_GRAPH_MAX_ROWS;
     b.mono = !strcmp(o->path, "mono");
+    b.cp = !strcmp(o->path, "stock-cp");
     eo.decode = b.mono ? M3_DECODE_MONO : M3_DECODE_STOCK;
+    eo.indexer_cp = b.cp; /* the engine refuses it below TP 2 or past the index heads */
     /* sized by one rank's shapes, as the points will be (TP: fewer KV heads,
      * so more input sets rotate through) */
     m3_config rank_cfg = b.world > 1 ? m3_tp_config(c, b.world) : *c;

@@ -193,27 +193,37 @@ static inline void gpu_remove_dir(const char *dir) {
     rmdir(dir);
 }
 
-/* Preset `preset` synthesized (seed) into a new folder dir [size] under
- * $TMPDIR (named after tag) and loaded: *model, its *cfg. On failure the
- * message says which step failed; dir is "" when no folder was made. */
-static inline m3_status gpu_synth_model(const char *preset, const char *tag, uint64_t seed,
-                                        char *dir, size_t size, m3_config *cfg,
-                                        m3_model **model) {
+/* Config cfg_in synthesized (seed) into a new folder dir [size] under
+ * $TMPDIR (named after tag and name) and loaded: *model, its *cfg. On
+ * failure the message says which step failed; dir is "" when no folder was
+ * made. */
+static inline m3_status gpu_synth_config(const m3_config *cfg_in, const char *name,
+                                         const char *tag, uint64_t seed, char *dir, size_t size,
+                                         m3_config *cfg, m3_model **model) {
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
-    snprintf(dir, size, "%s/m3_gpu_%s_%s_XXXXXX", tmp, tag, preset);
+    snprintf(dir, size, "%s/m3_gpu_%s_%s_XXXXXX", tmp, tag, name);
     if (!mkdtemp(dir)) {
         dir[0] = 0;
         return m3_fail(M3_ERR_IO, "cannot create a folder under %s", tmp);
     }
     m3_synth_opts so = {seed, false, 0};
-    m3_status st = m3_preset(preset, cfg);
-    if (!st)
-        st = m3_synth(cfg, dir, &so);
+    *cfg = *cfg_in;
+    m3_status st = m3_synth(cfg, dir, &so);
     if (!st)
         st = m3_model_load(dir, NULL, model);
     if (!st)
         *cfg = *m3_model_config(*model);
     return st;
+}
+
+/* Preset `preset` synthesized and loaded, as gpu_synth_config. */
+static inline m3_status gpu_synth_model(const char *preset, const char *tag, uint64_t seed,
+                                        char *dir, size_t size, m3_config *cfg,
+                                        m3_model **model) {
+    m3_config c;
+    dir[0] = 0;
+    M3_TRY(m3_preset(preset, &c));
+    return gpu_synth_config(&c, preset, tag, seed, dir, size, cfg, model);
 }
 
 /* A child process: this test program again with argv (argv[0] its name),

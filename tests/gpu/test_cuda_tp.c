@@ -5,7 +5,8 @@
  * public engine API. World W = the GPUs present, at most 4 (and at most
  * what the preset's heads allow); with fewer than 2 GPUs: "SKIP", exit 77
  * (ctest label "multigpu": scripts/gpu-check runs it only where 2 or more
- * GPUs are lent). Per preset (tiny, small), engines: CPU TP 1 stock (the
+ * GPUs are lent). Per preset (tiny, small, and small-kv4: `small` with
+ * four KV and index heads, so that four GPUs each own one), engines: CPU TP 1 stock (the
  * reference), CUDA TP 1 stock, CUDA TP W stock and CUDA TP W mono (graphs):
  *
  *   (a) teacher-forced: a 700-row prefill with every row's logits, then 16
@@ -32,7 +33,7 @@
  *       decode logits bit-identical to the same TP engine without it (the
  *       selection is exact), and its sparse layers did select through CP.
  *
- * M3_TEST_PRESET=tiny|small runs one preset; M3_TEST_SEED varies inputs.
+ * M3_TEST_PRESET=tiny|small|small-kv4 runs one preset; M3_TEST_SEED varies inputs.
  */
 #include <dirent.h>
 #include <math.h>
@@ -61,6 +62,7 @@
 typedef struct ctx {
     const char *preset;
     int world;
+    m3_config base; /* what setup synthesizes */
     m3_config cfg;
     int V;
     char dir[512];
@@ -440,8 +442,8 @@ static void fault_case(ctx *c) {
 
 static bool setup(ctx *c, uint64_t *rng) {
     const char *t = "setup";
-    if (!ok(c, t, gpu_synth_model(c->preset, "tp", gpu_rng_next(rng), c->dir, sizeof c->dir,
-                                  &c->cfg, &c->model),
+    if (!ok(c, t, gpu_synth_config(&c->base, c->preset, "tp", gpu_rng_next(rng), c->dir,
+                                   sizeof c->dir, &c->cfg, &c->model),
             "synthesizing the model"))
         return false;
     c->V = c->cfg.vocab_size;
@@ -455,17 +457,28 @@ static bool setup(ctx *c, uint64_t *rng) {
               "CUDA TP W mono");
 }
 
+/* A preset by name; "small-kv4" is `small` with 4 KV and index heads, so
+ * that 4 GPUs each own one (world 4 with indexer CP). */
+static m3_status test_preset(const char *name, m3_config *cfg) {
+    if (strcmp(name, "small-kv4"))
+        return m3_preset(name, cfg);
+    M3_TRY(m3_preset("small", cfg));
+    cfg->num_kv_heads = cfg->index_heads = 4;
+    return M3_OK;
+}
+
 static void run_preset(const char *preset, int gpus, uint64_t *rng) {
     ctx *c = calloc(1, sizeof *c);
     if (!c)
         exit(1);
     c->preset = preset;
     m3_config cfg;
-    if (m3_preset(preset, &cfg)) {
+    if (test_preset(preset, &cfg)) {
         record(c, "setup", "FAIL", "no preset %s", preset);
         free(c);
         return;
     }
+    c->base = cfg;
     /* the widest world the GPUs and the KV heads allow, at most 4 */
     c->world = gpus < 4 ? gpus : 4;
     while (c->world > 2 && cfg.num_kv_heads % c->world)
@@ -529,6 +542,8 @@ int main(int argc, char **argv) {
         run_preset("tiny", gpus, &rng);
     if (!only || !strcmp(only, "small"))
         run_preset("small", gpus, &rng);
+    if (!only || !strcmp(only, "small-kv4")) /* world 4 where 4 GPUs are */
+        run_preset("small-kv4", gpus, &rng);
     printf("test_cuda_tp: %d checks, %d failed, %d warnings (%.1f s)\n", g_checks, g_fails,
            g_warns, now_s() - t0);
     return g_fails ? 1 : 0;
