@@ -68,6 +68,7 @@ typedef struct ctx {
     char dir[512];
     m3_model *model;
     m3_engine *cpu, *g1, *gs, *gm; /* CPU TP 1, CUDA TP 1, CUDA TP W stock / mono */
+    const char *ref_name;          /* what c->cpu is: "CPU" (or "CUDA TP 1": --model) */
     int32_t prompt[PROMPT];
     double observed_abs;
 } ctx;
@@ -174,11 +175,13 @@ static void errs_verdict(const ctx *c, const char *test, row_errs *e) {
            e->n, med, mx, beyond, TOL, e->nan_rows);
 }
 
-/* The CPU and engine e side by side: the prefill, then STEPS decode steps
- * fed the CPU's greedy tokens. (b) for a TP engine. */
+/* The CPU (c->cpu: the reference) and engine e side by side: the prefill,
+ * then STEPS decode steps fed the CPU's greedy tokens. (b) for a TP
+ * engine. */
 static void teacher_forced(ctx *c, m3_engine *e, const char *label) {
     char ta[64], tb[64];
-    snprintf(ta, sizeof ta, "(a) %s: prefill + %d steps vs CPU", label, STEPS);
+    snprintf(ta, sizeof ta, "(a) %s: prefill + %d steps vs %s", label, STEPS,
+             c->ref_name ? c->ref_name : "CPU");
     snprintf(tb, sizeof tb, "(b) %s: ranks bit-identical", label);
     int V = c->V;
     float *all_c = gpu_xmalloc((size_t)PROMPT * V * 4), *all_g = gpu_xmalloc((size_t)PROMPT * V * 4);
@@ -522,6 +525,67 @@ static int count_gpus(void) {
     return n;
 }
 
+/* ------------------------------------------------------------ --model */
+
+/* test_cuda_tp --model DIR [W]: a checkpoint at real widths (scripts/
+ * gpu-check: `m3 synth --preset m3 --layers 8`), too large for the CPU
+ * reference, so CUDA TP 1 (one GPU) is the reference. For TP W (default:
+ * the GPUs, at most 4) stock, mono and stock with indexer CP, one engine
+ * at a time: (a) and (b) against TP 1, then (c) 24 greedy tokens of a
+ * 300-token prompt against TP 1's with the near-tie rule (a random model's
+ * logits over a 200K vocabulary have small top-2 margins, so a flip where
+ * the margin is below the logit error is a WARN; a clear one is a FAIL). */
+static int model_mode(const char *dir, int world, uint64_t *rng) {
+    ctx *c = calloc(1, sizeof *c);
+    gpu_trace ref = {0}, got = {0};
+    const char *t = "setup";
+    if (!c)
+        return 1;
+    c->preset = "model", c->ref_name = "CUDA TP 1", c->world = world;
+    if (!ok(c, t, m3_model_load(dir, NULL, &c->model), dir))
+        goto out;
+    c->cfg = *m3_model_config(c->model);
+    c->V = c->cfg.vocab_size;
+    if (!gpu_trace_init(&ref, GEN, c->V) || !gpu_trace_init(&got, GEN, c->V)) {
+        record(c, t, "FAIL", "out of memory");
+        goto out;
+    }
+    printf("model %s: %d layers, hidden %d, vocab %d; TP %d against TP 1\n", dir,
+           c->cfg.num_layers, c->cfg.hidden_size, c->V, world);
+    for (int i = 0; i < PROMPT; i++)
+        c->prompt[i] = (int32_t)(gpu_rng_next(rng) % (uint64_t)c->V);
+    if (!ok(c, t, make_engine(c, M3_DEVICE_CUDA, 1, M3_DECODE_STOCK, &c->cpu), "CUDA TP 1") ||
+        !ok(c, t, gpu_generate(c->cpu, c->prompt, 300, &ref), "TP 1 generation"))
+        goto out;
+    const char *names[3] = {"stock", "mono", "stock+CP"};
+    for (int k = 0; k < 3; k++) {
+        m3_engine *e = NULL;
+        m3_decode_path path = k == 1 ? M3_DECODE_MONO : M3_DECODE_STOCK;
+        if (!ok(c, t, make_engine_cp(c, M3_DEVICE_CUDA, world, path, k == 2, &e), names[k]))
+            continue;
+        teacher_forced(c, e, names[k]);
+        char test[64];
+        snprintf(test, sizeof test, "(c) TP %d %s == TP 1, %d tokens", world, names[k], GEN);
+        got.n = 0;
+        if (ok(c, test, gpu_generate(e, c->prompt, 300, &got), names[k]))
+            tokens_verdict(c, test, &got, &ref);
+        if (k == 1) {
+            m3_engine_stats s = m3_engine_get_stats(e);
+            record(c, "(f) the mono engine ran mono steps", s.mono_steps > 0 ? "PASS" : "FAIL",
+                   "%lld mono steps, %lld stock steps%s%s", (long long)s.mono_steps,
+                   (long long)s.stock_steps, m3_engine_mono_refusal(e)[0] ? ": " : "",
+                   m3_engine_mono_refusal(e));
+        }
+        m3_engine_free(e);
+    }
+out:
+    gpu_trace_free(&ref), gpu_trace_free(&got);
+    m3_engine_free(c->cpu);
+    m3_model_free(c->model);
+    free(c);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc == 4 && !strcmp(argv[1], "--fault-child"))
         return fault_child(argv[2], atoi(argv[3]));
@@ -534,6 +598,18 @@ int main(int argc, char **argv) {
         return GPU_TEST_SKIP;
     }
     uint64_t rng = gpu_test_seed(0x7e2a5c0ffeeull);
+    if (argc >= 3 && !strcmp(argv[1], "--model")) {
+        int world = argc >= 4 ? atoi(argv[3]) : gpus < 4 ? gpus : 4;
+        if (world < 2 || world > gpus) {
+            printf("--model: world %s: must be in [2, %d]\n", argc >= 4 ? argv[3] : "", gpus);
+            return 2;
+        }
+        double t0 = now_s();
+        int rc = model_mode(argv[2], world, &rng);
+        printf("test_cuda_tp --model: %d checks, %d failed, %d warnings (%.1f s)\n", g_checks,
+               g_fails, g_warns, now_s() - t0);
+        return rc || g_fails ? 1 : 0;
+    }
     printf("test_cuda_tp: seed %llu (set M3_TEST_SEED to vary); logits tol %.0e\n",
            (unsigned long long)rng, TOL);
     const char *only = getenv("M3_TEST_PRESET");
