@@ -34,6 +34,8 @@
  *       selection is exact), and its sparse layers did select through CP.
  *
  * M3_TEST_PRESET=tiny|small|small-kv4 runs one preset; M3_TEST_SEED varies inputs.
+ * `test_cuda_tp --model DIR [W]` checks a real-width checkpoint against
+ * CUDA TP 1 instead of the CPU (see model_mode; scripts/gpu-check runs it).
  */
 #include <dirent.h>
 #include <math.h>
