@@ -284,6 +284,17 @@ static void greedy(ctx *c) {
         gpu_trace_free(&t[k]);
 }
 
+/* ------------------------------------------------------------ (f) */
+
+/* (f): mono engine e ran mono decode steps (else the refusal says why). */
+static void ran_mono(const ctx *c, m3_engine *e) {
+    m3_engine_stats s = m3_engine_get_stats(e);
+    record(c, "(f) the mono engine ran mono steps", s.mono_steps > 0 ? "PASS" : "FAIL",
+           "%lld mono steps, %lld stock steps%s%s", (long long)s.mono_steps,
+           (long long)s.stock_steps, m3_engine_mono_refusal(e)[0] ? ": " : "",
+           m3_engine_mono_refusal(e));
+}
+
 /* ------------------------------------------------------------ (g) */
 
 /* Indexer CP over the GPU ranks selects exactly the blocks one rank
@@ -496,11 +507,7 @@ static void run_preset(const char *preset, int gpus, uint64_t *rng) {
         teacher_forced(c, c->gs, "stock");
         teacher_forced(c, c->gm, "mono");
         greedy(c);
-        m3_engine_stats s = m3_engine_get_stats(c->gm);
-        record(c, "(f) the mono engine ran mono steps", s.mono_steps > 0 ? "PASS" : "FAIL",
-               "%lld mono steps, %lld stock steps%s%s", (long long)s.mono_steps,
-               (long long)s.stock_steps, m3_engine_mono_refusal(c->gm)[0] ? ": " : "",
-               m3_engine_mono_refusal(c->gm));
+        ran_mono(c, c->gm);
         indexer_cp(c);
         rank_failure(c);
         fault_case(c);
@@ -571,13 +578,8 @@ static int model_mode(const char *dir, int world, uint64_t *rng) {
         got.n = 0;
         if (ok(c, test, gpu_generate(e, c->prompt, 300, &got), names[k]))
             tokens_verdict(c, test, &got, &ref);
-        if (k == 1) {
-            m3_engine_stats s = m3_engine_get_stats(e);
-            record(c, "(f) the mono engine ran mono steps", s.mono_steps > 0 ? "PASS" : "FAIL",
-                   "%lld mono steps, %lld stock steps%s%s", (long long)s.mono_steps,
-                   (long long)s.stock_steps, m3_engine_mono_refusal(e)[0] ? ": " : "",
-                   m3_engine_mono_refusal(e));
-        }
+        if (k == 1)
+            ran_mono(c, e);
         m3_engine_free(e);
     }
 out:
