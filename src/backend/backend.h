@@ -174,6 +174,10 @@ typedef struct m3_backend_ops {
 struct m3_backend {
     const m3_backend_ops *ops;
     void *impl;
+    /* The whole model's attention heads (a TP rank's ops see its share):
+     * the CUDA attention picks its KV splits from these, so a rank splits
+     * each head's keys as TP 1 does (the same bits). 0: the op's own. */
+    int full_q_heads, full_kv_heads;
 };
 
 /* The CPU backend with n_threads workers (0: all cores). */

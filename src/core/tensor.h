@@ -38,9 +38,19 @@ typedef struct m3_tensor {
     const char *name;        /* for messages; not owned */
 } m3_tensor;
 
+/* GPU sums over K are taken as M3_K_CHUNKS fixed chunks of the full K
+ * combined as a pairwise tree, so a TP rank's partial is a subtree of TP
+ * 1's sum (src/cuda/cuda_ksum.cuh). The same for cuBLAS's column blocks. */
+#define M3_K_CHUNKS 8
+
 typedef struct m3_linear {
     m3_tensor w;     /* [N, K] bf16 or f8_e4m3 */
     m3_tensor scale; /* [N, K/32] u8 when w is f8_e4m3; else absent */
+    /* How many of the full weight's M3_K_CHUNKS column chunks this K spans
+     * (a row-parallel TP shard: 8 / tp), and of its M3_K_CHUNKS row blocks
+     * this N spans (a column-parallel shard); 0 means all of them. The
+     * CPU ignores both (its partials are fp64). */
+    int k_chunks, n_chunks;
 } m3_linear;
 
 size_t m3_dtype_size(m3_dtype dt);

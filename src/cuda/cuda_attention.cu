@@ -18,8 +18,9 @@
  *   Each warp keeps its own online softmax over 16 keys of every tile; the
  *   four warps merge at the end, then either write the bf16 output (one
  *   split) or a partial (max, sum, acc) that a combine kernel merges.
- *   The number of splits depends on capacities only (rows, KV heads,
- *   max_blocks or topk, the SM count): at most one wave of CTAs.
+ *   The number of splits depends on capacities only (rows, the whole
+ *   model's KV heads, max_blocks or topk, the SM count): at most one wave
+ *   of TP 1's CTAs, so a TP rank splits each head's keys as TP 1 does.
  *
  * Measured on an H200 (1 row, TP1 shapes, 1M-token context): dense
  * attention ~4.0 TB/s, sparse attention ~15 us (latency: a chain of
@@ -385,8 +386,8 @@ __global__ void __launch_bounds__(kCombThreads) attn_combine_kernel(CombineArgs 
 }
 
 /* Split policy: at most one wave of CTAs (a partial second wave would
- * double the time). splits = floor(SMs x CTAs per SM / (rows x kv_heads x
- * head tiles)), at least 1, at most the capacity in tiles (dense: 2 x
+ * double the time). splits = floor(SMs x CTAs per SM / (rows x the whole
+ * model's kv_heads x head tiles)), at least 1, at most the capacity in tiles (dense: 2 x
  * max_blocks, sparse: 2 x topk), so it depends on capacities only. */
 static int attn_splits(const m3_cuda *cu, int per_sm, int64_t base, int64_t units) {
     int64_t target = (int64_t)(cu->sm_count > 0 ? cu->sm_count : 1) * per_sm;
@@ -397,13 +398,17 @@ static int attn_splits(const m3_cuda *cu, int per_sm, int64_t base, int64_t unit
 }
 
 template <int D>
-static m3_status attn_run(m3_cuda *cu, AttnArgs a, int rows, bool sparse, int max_blocks) {
+static m3_status attn_run(m3_cuda *cu, AttnArgs a, int rows, bool sparse, int max_blocks,
+                          int64_t row_ctas) {
     const int smem = AttnCfg<D>::kSmem;
     M3_CUDA_TRY(cudaFuncSetAttribute(attn_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      smem));
     int per_sm = ctas_per_sm(attn_kernel<D>, kAttnThreads, smem);
     int64_t base = (int64_t)rows * a.kv_heads * a.mtiles;
-    a.splits = attn_splits(cu, per_sm, base, 2 * (int64_t)(sparse ? a.topk : max_blocks));
+    /* splits from the whole model's CTAs per row (a TP rank's grid is then
+     * a share of one wave), so every world splits a head's keys alike */
+    a.splits = attn_splits(cu, per_sm, (int64_t)rows * row_ctas,
+                           2 * (int64_t)(sparse ? a.topk : max_blocks));
     int64_t grid = base * a.splits, items = (int64_t)rows * a.q_heads;
     if (grid > INT32_MAX || items > INT32_MAX)
         return m3_fail(M3_ERR_UNSUPPORTED, "attention: %d rows x %d heads is too many", rows,
@@ -469,14 +474,19 @@ extern "C" m3_status m3_cuda_attention(m3_backend *be, const m3_step *step, int 
     a.part_acc = NULL;
     bool sparse = selected != NULL;
     int rows = step->rows, mb = step->max_blocks;
+    /* CTAs per row of the whole model (TP 1's grid), else this op's */
+    int64_t row_ctas = (int64_t)kv_heads * a.mtiles;
+    int fq = be->full_q_heads, fkv = be->full_kv_heads;
+    if (fq > 0 && fkv > 0 && fq % fkv == 0)
+        row_ctas = (int64_t)fkv * ((fq / fkv + kHeadTile - 1) / kHeadTile);
     switch (dim) {
-    case 32: return attn_run<32>(cu, a, rows, sparse, mb);
-    case 64: return attn_run<64>(cu, a, rows, sparse, mb);
-    case 96: return attn_run<96>(cu, a, rows, sparse, mb);
-    case 128: return attn_run<128>(cu, a, rows, sparse, mb);
-    case 160: return attn_run<160>(cu, a, rows, sparse, mb);
-    case 192: return attn_run<192>(cu, a, rows, sparse, mb);
-    case 224: return attn_run<224>(cu, a, rows, sparse, mb);
-    default: return attn_run<256>(cu, a, rows, sparse, mb);
+    case 32: return attn_run<32>(cu, a, rows, sparse, mb, row_ctas);
+    case 64: return attn_run<64>(cu, a, rows, sparse, mb, row_ctas);
+    case 96: return attn_run<96>(cu, a, rows, sparse, mb, row_ctas);
+    case 128: return attn_run<128>(cu, a, rows, sparse, mb, row_ctas);
+    case 160: return attn_run<160>(cu, a, rows, sparse, mb, row_ctas);
+    case 192: return attn_run<192>(cu, a, rows, sparse, mb, row_ctas);
+    case 224: return attn_run<224>(cu, a, rows, sparse, mb, row_ctas);
+    default: return attn_run<256>(cu, a, rows, sparse, mb, row_ctas);
     }
 }

@@ -154,8 +154,11 @@ static m3_status upload_linear(upload_pass *u, const m3_linear *host, m3_linear 
  * for the weights, then one each for the scales, so expert e of the kind
  * sits at base + e * stride. */
 static m3_status upload_experts(upload_pass *u, int E, const m3_linear *host, m3_linear *dev) {
-    for (int e = 0; e < E; e++)
+    for (int e = 0; e < E; e++) {
         M3_TRY(upload_tensor(u, &host[e].w, &dev[e].w));
+        dev[e].k_chunks = host[e].k_chunks;
+        dev[e].n_chunks = host[e].n_chunks;
+    }
     for (int e = 0; e < E; e++)
         M3_TRY(upload_tensor(u, &host[e].scale, &dev[e].scale));
     return M3_OK;

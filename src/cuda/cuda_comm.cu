@@ -1,7 +1,7 @@
 /*
  * The GPU group and its ranks' communicators (see cuda_comm.h): NCCL
  * loaded at run time, device collectives as an NCCL all-gather followed by
- * a rank-ordered sum on the rank's stream (graph-capturable: NCCL calls
+ * a sum in a fixed tree over rank ids on the rank's stream (graph-capturable: NCCL calls
  * are recorded into the step's graph like any kernel), host decisions
  * through the ranks-as-threads communicator, and a bounded stream wait
  * that ends every rank's collectives when one rank fails.
@@ -15,15 +15,18 @@
 
 #include "cuda/cuda_common.cuh"
 #include "cuda/cuda_internal.h"
+#include "cuda/cuda_ksum.cuh"
 
 extern "C" {
 #include "cuda/cuda_comm.h"
 }
 
-/* ------------------------------------------------------------ rank-ordered sums */
+/* ------------------------------------------------------------ sums over ranks */
 
-/* buf[i] = the sum over r of gathered[r * n + i], r ascending: fp32 for
- * fp32 and bf16 values (bf16: rounded once at the end), fp64 for fp64. */
+/* buf[i] = the sum over r of gathered[r * n + i] as cuda_ksum.cuh's
+ * pairwise tree over rank ids (the top levels of TP 1's chunk tree, so a
+ * row-parallel sum has TP 1's bits): fp32 for fp32 and bf16 values (bf16:
+ * rounded once at the end), fp64 for fp64. */
 __device__ __forceinline__ float sum_load(const float *p) { return *p; }
 __device__ __forceinline__ double sum_load(const double *p) { return *p; }
 __device__ __forceinline__ float sum_load(const uint16_t *p) { return m3_bf(*p); }
@@ -36,9 +39,8 @@ __global__ void rank_sum_kernel(const T *__restrict__ gathered, int world, int64
                                 T *__restrict__ buf) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
-        auto s = sum_load(gathered + i);
-        for (int r = 1; r < world; r++)
-            s += sum_load(gathered + r * n + i);
+        using F = decltype(sum_load(gathered));
+        F s = ksum_tree<F>(world, [&](int r) { return sum_load(gathered + r * n + i); });
         sum_store(buf + i, s);
     }
 }
@@ -307,7 +309,7 @@ static m3_status rank_gather(cuda_comm *x, const void *in, void *out, size_t cou
 }
 
 /* buf [n] <- the ranks' buf, gathered by NCCL into the workspace, then
- * summed in rank order on the rank's stream. */
+ * summed as a tree over rank ids on the rank's stream. */
 template <typename T>
 static m3_status gather_sum(m3_comm *c, T *buf, int64_t n, ncclDataType_t type) {
     cuda_comm *x = impl(c);

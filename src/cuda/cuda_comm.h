@@ -6,9 +6,10 @@
  * and its host decisions (agree_min, abort) through the ranks-as-threads
  * communicator, whose waits are bounded.
  *
- * Every sum is rank-ordered: NCCL gathers the ranks' values, then one kernel
- * adds them in rank order, so every rank holds identical bits (a ring
- * all-reduce would not guarantee that). NVLink multicast (NVLS) is never
+ * Every sum is in a fixed order: NCCL gathers the ranks' values, then one
+ * kernel adds them as a pairwise tree over rank ids (cuda_ksum.cuh), so
+ * every rank holds identical bits (a ring all-reduce would not guarantee
+ * that) and, for a power-of-two world, a row-parallel sum has TP 1's bits. NVLink multicast (NVLS) is never
  * used: the group sets NCCL_NVLS_ENABLE=0 unless it is set already.
  *
  * NCCL is loaded at run time (dlopen of $M3_NCCL_LIB, else libnccl.so.2),

@@ -18,6 +18,7 @@
 #include <cuda_fp8.h>
 
 #include "cuda/cuda_common.cuh"
+#include "cuda/cuda_ksum.cuh"
 
 #define GEMV_WARPS 8
 #define GEMV_THREADS (GEMV_WARPS * 32)
@@ -144,14 +145,14 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_w
     }
 }
 
-/* The K loop over [k0, k1) (k0 a multiple of GEMV_KC) for one warp's
- * rows; x rows via row_ptr (row t starts at element 0 of its K); returns
- * the sums reduced over the warp (valid in every lane). Every thread of the
+/* The K loop over [k0, k1) (k0 a multiple of 8) for one warp's rows; x
+ * rows via row_ptr (row t starts at element 0 of its K); acc holds this
+ * lane's share of the sums (not reduced over the warp). Every thread of the
  * CTA must call it (it synchronises the CTA). */
 template <int T, bool FP8, typename RowPtr>
-__device__ __forceinline__ void gemv_rows(float (&acc)[GEMV_R][T], const gemv_weight &W,
-                                          int64_t n0, int64_t N, int k0, int k1, RowPtr row_ptr,
-                                          int rows, uint16_t *xs) {
+__device__ __forceinline__ void gemv_rows_lane(float (&acc)[GEMV_R][T], const gemv_weight &W,
+                                               int64_t n0, int64_t N, int k0, int k1,
+                                               RowPtr row_ptr, int rows, uint16_t *xs) {
     int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < GEMV_R; r++)
@@ -166,11 +167,39 @@ __device__ __forceinline__ void gemv_rows(float (&acc)[GEMV_R][T], const gemv_we
         if (n0 < N)
             gemv_chunk<T, FP8>(acc, W, n0, N, kc, kn, xs, lane);
     }
+}
+
+/* gemv_rows_lane, then the sums reduced over the warp (valid in every lane). */
+template <int T, bool FP8, typename RowPtr>
+__device__ __forceinline__ void gemv_rows(float (&acc)[GEMV_R][T], const gemv_weight &W,
+                                          int64_t n0, int64_t N, int k0, int k1, RowPtr row_ptr,
+                                          int rows, uint16_t *xs) {
+    gemv_rows_lane<T, FP8>(acc, W, n0, N, k0, k1, row_ptr, rows, xs);
 #pragma unroll
     for (int r = 0; r < GEMV_R; r++)
 #pragma unroll
         for (int t = 0; t < T; t++)
             acc[r][t] = m3_warp_sum(acc[r][t]);
+}
+
+/* The world-invariant sum (cuda_ksum.cuh) of chunks [c0, c0 + group) of
+ * n_chunks over K (each chunk's bounds a multiple of 8) for one warp's
+ * rows: chunk by chunk, each reduced over the warp, combined as a pairwise
+ * tree. Returns the sum this lane holds: value j = r * T + t of
+ * ksum_lane_value<GEMV_R * T>. Every thread of the CTA must call it. */
+template <int T, bool FP8, typename RowPtr>
+__device__ __forceinline__ float gemv_tree(const gemv_weight &W, int64_t n0, int64_t N,
+                                           int64_t K, int n_chunks, int c0, int group,
+                                           RowPtr row_ptr, int rows, uint16_t *xs) {
+    float lv[KSUM_LEVELS];
+    for (int i = 0; i < group; i++) {
+        int k0, k1;
+        ksum_bounds(K, n_chunks, c0 + i, &k0, &k1);
+        float acc[GEMV_R][T];
+        gemv_rows_lane<T, FP8>(acc, W, n0, N, k0, k1, row_ptr, rows, xs);
+        ksum_push(lv, i, ksum_warp_scatter(acc));
+    }
+    return ksum_fold(lv, group);
 }
 
 #endif

@@ -40,7 +40,7 @@ enum m3_cuda_workspace_slot {
     M3_CUDA_WS_LINEAR,        /* dequantised MXFP8 weights for large row counts */
     M3_CUDA_WS_SAMPLE,        /* sampling partials */
     M3_CUDA_WS_MISC,
-    M3_CUDA_WS_COMM,          /* TP: the ranks' gathered values, summed in rank order */
+    M3_CUDA_WS_COMM,          /* TP: the ranks' gathered values, summed over ranks */
     M3_CUDA_WS_CP,            /* indexer CP in a layer: gathered queries, scores, keys */
 };
 

@@ -13,46 +13,49 @@
 #include "cuda/cuda_gemv.cuh"
 #include "cuda/cuda_internal.h"
 
-/* out (or, split over K, the fp32 partial of K slice blockIdx.y into part
- * [splits, rows, N]) of this CTA's GEMV_WARPS * GEMV_R output rows. */
+/* out (or, when K's chunks are split over CTAs, the fp32 partial of chunk
+ * group blockIdx.y into part [groups, rows, N]) of this CTA's GEMV_WARPS *
+ * GEMV_R output rows: chunks [blockIdx.y * group, + group) of n_chunks
+ * over K, summed as cuda_ksum.cuh's tree. */
 template <int T, bool FP8, bool OUT_F32>
 __global__ void __launch_bounds__(GEMV_THREADS)
     linear_gemv_kernel(gemv_weight W, const uint16_t *__restrict__ x, int rows, int K, int64_t N,
-                       int k_slice, void *__restrict__ out, float *__restrict__ part) {
+                       int n_chunks, int group, void *__restrict__ out, float *__restrict__ part) {
     extern __shared__ uint4 smem_x[];
     uint16_t *xs = reinterpret_cast<uint16_t *>(smem_x);
     int64_t n0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_R;
-    int k0 = blockIdx.y * k_slice, k1 = min(K, k0 + k_slice);
-    float acc[GEMV_R][T];
     auto row_ptr = [&](int t) { return x + (int64_t)t * K; };
-    gemv_rows<T, FP8>(acc, W, n0, N, k0, k1, row_ptr, rows, xs);
-    int lane = threadIdx.x & 31;
-    /* lane j stores (r, t) = (j / T, j % T) so stores spread over the warp */
-#pragma unroll
-    for (int r = 0; r < GEMV_R; r++)
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            if ((r * T + t) % 32 != lane || n0 + r >= N || t >= rows)
-                continue;
-            int64_t o = (int64_t)t * N + n0 + r;
-            if (part)
-                part[(int64_t)blockIdx.y * rows * N + o] = acc[r][t];
-            else if (OUT_F32)
-                static_cast<float *>(out)[o] = acc[r][t];
-            else
-                static_cast<uint16_t *>(out)[o] = m3_to_bf(acc[r][t]);
-        }
+    float v = gemv_tree<T, FP8>(W, n0, N, K, n_chunks, blockIdx.y * group, group, row_ptr, rows,
+                                xs);
+    bool first;
+    int j = ksum_lane_value<GEMV_R * T>(&first);
+    int r = j / T, t = j % T;
+    if (!first || n0 + r >= N || t >= rows)
+        return;
+    int64_t o = (int64_t)t * N + n0 + r;
+    if (part)
+        part[(int64_t)blockIdx.y * rows * N + o] = v;
+    else if (OUT_F32)
+        static_cast<float *>(out)[o] = v;
+    else
+        static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
 }
 
-/* out = the sum of the K slices' partials, in slice order (deterministic). */
+/* out = the sum of the K slices' partials: in slice order (the router), or
+ * as cuda_ksum.cuh's tree over the chunk groups (the bf16 linears). */
 __global__ void linear_splitk_finish_kernel(const float *__restrict__ part, int splits,
-                                            int64_t n, bool out_f32, void *__restrict__ out) {
+                                            int64_t n, bool tree, bool out_f32,
+                                            void *__restrict__ out) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n)
         return;
     float v = 0.0f;
-    for (int s = 0; s < splits; s++)
-        v += part[(int64_t)s * n + i];
+    if (tree) {
+        v = ksum_tree<float>(splits, [&](int s) { return part[(int64_t)s * n + i]; });
+    } else {
+        for (int s = 0; s < splits; s++)
+            v += part[(int64_t)s * n + i];
+    }
     if (out_f32)
         static_cast<float *>(out)[i] = v;
     else
@@ -60,17 +63,17 @@ __global__ void linear_splitk_finish_kernel(const float *__restrict__ part, int 
 }
 
 /* Sum the partials of `splits` K slices into out (n values). */
-static m3_status finish_splitk(m3_cuda *cu, const float *part, int splits, int64_t n,
+static m3_status finish_splitk(m3_cuda *cu, const float *part, int splits, int64_t n, bool tree,
                                bool out_f32, void *out) {
     linear_splitk_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
-        part, splits, n, out_f32, out);
+        part, splits, n, tree, out_f32, out);
     M3_CUDA_LAUNCHED("linear_splitk_finish_kernel");
     return M3_OK;
 }
 
 /* Slices of K (multiples of GEMV_KC) so a narrow weight still puts about
  * two CTAs on every multiprocessor: with few output rows the loads in
- * flight, not the bytes, bound the time. */
+ * flight, not the bytes, bound the time. (The router's fp32 GEMV.) */
 static int k_splits(const m3_cuda *cu, int64_t n_tiles, int K) {
     int chunks = (K + GEMV_KC - 1) / GEMV_KC;
     int64_t want = 2 * (int64_t)cu->sm_count;
@@ -80,42 +83,60 @@ static int k_splits(const m3_cuda *cu, int64_t n_tiles, int K) {
     return (int)(s < chunks ? s : chunks);
 }
 
-/* Launch the GEMV (split over K when the grid is narrow) and finish. */
-template <int T, bool FP8>
-static m3_status launch_linear(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
-                               int K, int64_t N, bool out_f32, void *out, float *part,
-                               int splits) {
-    unsigned n_tiles = (unsigned)((N + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R));
-    int chunks = (K + GEMV_KC - 1) / GEMV_KC;
-    int k_slice = (chunks + splits - 1) / splits * GEMV_KC;
-    dim3 grid(n_tiles, (unsigned)splits);
-    size_t smem = (size_t)T * GEMV_KC * sizeof(uint16_t);
-    float *p = splits > 1 ? part : nullptr;
-    if (out_f32)
-        linear_gemv_kernel<T, FP8, true><<<grid, GEMV_THREADS, smem, cu->stream>>>(
-            W, x, rows, K, N, k_slice, out, p);
-    else
-        linear_gemv_kernel<T, FP8, false><<<grid, GEMV_THREADS, smem, cu->stream>>>(
-            W, x, rows, K, N, k_slice, out, p);
-    M3_CUDA_LAUNCHED("linear_gemv_kernel");
-    return splits > 1 ? finish_splitk(cu, part, splits, (int64_t)rows * N, out_f32, out) : M3_OK;
+/* CTAs over K for the bf16 GEMV: groups of whole chunks, a power of two
+ * dividing n_chunks (so each group is a subtree), enough that a narrow
+ * weight still puts about two CTAs on every multiprocessor. Any choice
+ * gives the same bits. */
+static int chunk_groups(const m3_cuda *cu, int64_t n_tiles, int n_chunks) {
+    int64_t want = 2 * (int64_t)cu->sm_count;
+    int g = 1;
+    while (g < n_chunks && n_chunks % (2 * g) == 0 && n_tiles * g < want)
+        g *= 2;
+    return g;
 }
 
-/* One thread per output: any K, any alignment. */
+/* Launch the GEMV (its chunks over `groups` CTAs when the grid is narrow)
+ * and finish. */
+template <int T, bool FP8>
+static m3_status launch_linear(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
+                               int K, int64_t N, int n_chunks, bool out_f32, void *out,
+                               float *part, int groups) {
+    unsigned n_tiles = (unsigned)((N + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R));
+    dim3 grid(n_tiles, (unsigned)groups);
+    size_t smem = (size_t)T * GEMV_KC * sizeof(uint16_t);
+    float *p = groups > 1 ? part : nullptr;
+    int group = n_chunks / groups;
+    if (out_f32)
+        linear_gemv_kernel<T, FP8, true><<<grid, GEMV_THREADS, smem, cu->stream>>>(
+            W, x, rows, K, N, n_chunks, group, out, p);
+    else
+        linear_gemv_kernel<T, FP8, false><<<grid, GEMV_THREADS, smem, cu->stream>>>(
+            W, x, rows, K, N, n_chunks, group, out, p);
+    M3_CUDA_LAUNCHED("linear_gemv_kernel");
+    return groups > 1 ? finish_splitk(cu, part, groups, (int64_t)rows * N, true, out_f32, out)
+                      : M3_OK;
+}
+
+/* One thread per output: any K, any alignment; the same chunk tree. */
 __global__ void linear_scalar_kernel(gemv_weight W, bool fp8, const uint16_t *x, int rows, int K,
-                                     int64_t N, bool out_f32, void *out) {
+                                     int64_t N, int n_chunks, bool out_f32, void *out) {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)rows * N)
         return;
     int t = (int)(i / N);
     int64_t n = i % N;
-    float acc = 0.0f;
     const uint8_t *row = W.w + n * W.w_row;
-    for (int k = 0; k < K; k++) {
-        float w = fp8 ? m3_e4m3(row[k]) * m3_e8m0(W.s[n * W.s_row + k / 32])
-                      : m3_bf(reinterpret_cast<const uint16_t *>(row)[k]);
-        acc += w * m3_bf(x[(int64_t)t * K + k]);
-    }
+    float acc = ksum_tree<float>(n_chunks, [&](int c) {
+        int k0, k1;
+        ksum_bounds(K, n_chunks, c, &k0, &k1);
+        float s = 0.0f;
+        for (int k = k0; k < k1; k++) {
+            float w = fp8 ? m3_e4m3(row[k]) * m3_e8m0(W.s[n * W.s_row + k / 32])
+                          : m3_bf(reinterpret_cast<const uint16_t *>(row)[k]);
+            s += w * m3_bf(x[(int64_t)t * K + k]);
+        }
+        return s;
+    });
     if (out_f32)
         static_cast<float *>(out)[i] = acc;
     else
@@ -124,43 +145,116 @@ __global__ void linear_scalar_kernel(gemv_weight W, bool fp8, const uint16_t *x,
 
 template <bool FP8>
 static m3_status launch_gemv(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
-                             int K, int64_t N, bool out_f32, void *out) {
+                             int K, int64_t N, int n_chunks, bool out_f32, void *out) {
     int64_t n_tiles = (N + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R);
-    int splits = k_splits(cu, n_tiles, K);
+    int groups = chunk_groups(cu, n_tiles, n_chunks);
     float *part = NULL;
-    if (splits > 1)
-        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)splits * rows * N * 4,
+    if (groups > 1)
+        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)groups * rows * N * 4,
                                  (void **)&part));
     if (rows <= 1)
-        return launch_linear<1, FP8>(cu, W, x, rows, K, N, out_f32, out, part, splits);
+        return launch_linear<1, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
     if (rows <= 2)
-        return launch_linear<2, FP8>(cu, W, x, rows, K, N, out_f32, out, part, splits);
+        return launch_linear<2, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
     if (rows <= 4)
-        return launch_linear<4, FP8>(cu, W, x, rows, K, N, out_f32, out, part, splits);
+        return launch_linear<4, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
     if (rows <= 8)
-        return launch_linear<8, FP8>(cu, W, x, rows, K, N, out_f32, out, part, splits);
-    return launch_linear<16, FP8>(cu, W, x, rows, K, N, out_f32, out, part, splits);
+        return launch_linear<8, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
+    return launch_linear<16, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
 }
 
+/* The chunks of the full K this weight's K is (cuda_ksum.cuh). */
+static int k_chunks_of(const m3_linear *w) {
+    return w->k_chunks > 0 ? w->k_chunks : M3_K_CHUNKS;
+}
+
+/* The vector GEMV needs 16-byte rows and every chunk bound a multiple of 8. */
 static bool vector_ok(const m3_linear *w, const void *x, int64_t K) {
     bool fp8 = w->w.dtype == M3_DT_F8_E4M3;
     uintptr_t a = (uintptr_t)w->w.data | (uintptr_t)x;
-    return K % 8 == 0 && a % 16 == 0 && w->w.nb[0] % 16 == 0 && (!fp8 || K % 32 == 0);
+    return K % (8 * k_chunks_of(w)) == 0 && a % 16 == 0 && w->w.nb[0] % 16 == 0 &&
+           (!fp8 || K % 32 == 0);
 }
 
+/* out block [m, nb] (row stride ldo, fp32 or bf16) = x[m, kc columns] w[nb
+ * rows, kc columns]^T: one cuBLAS GEMM. x and w point at the block's first
+ * element; their row strides are ldx and w's own. */
+static m3_status gemm_block(m3_cuda *cu, int m, const uint16_t *x, int64_t ldx, const m3_linear *w,
+                            const void *wblk, int64_t nb, int kc, bool out_f32, void *out,
+                            int64_t ldo) {
+    float alpha = 1.0f, beta = 0.0f;
+    /* row-major out[m,nb] = x[m,kc] w[nb,kc]^T is column-major out^T = w x^T */
+    cublasStatus_t s = cublasGemmEx(cu->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)nb, m, kc, &alpha,
+                                    wblk, CUDA_R_16BF, (int)(w->w.nb[0] / 2), x, CUDA_R_16BF,
+                                    (int)ldx, &beta, out, out_f32 ? CUDA_R_32F : CUDA_R_16BF,
+                                    (int)ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return m3_fail(M3_ERR_DEVICE, "cuBLAS GemmEx [%d x %lld x %d] of %s failed: status %d", m,
+                       (long long)nb, kc, w->w.name ? w->w.name : "a linear", (int)s);
+    return M3_OK;
+}
+
+/* out[t, n] (row stride ldo) = the tree over kch chunks of part [kch, m, nb]. */
+__global__ void cublas_finish_kernel(const float *__restrict__ part, int kch, int m, int64_t nb,
+                                     bool out_f32, void *__restrict__ out, int64_t ldo) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int64_t n = (int64_t)m * nb;
+    if (i >= n)
+        return;
+    float v = ksum_tree<float>(kch, [&](int c) { return part[(int64_t)c * n + i]; });
+    int64_t o = (i / nb) * ldo + i % nb;
+    if (out_f32)
+        static_cast<float *>(out)[o] = v;
+    else
+        static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
+}
+
+/* Rows per cuBLAS pass: fixed, so a pass's shapes never depend on the world. */
+#define CUBLAS_ROWS 256
+
+/* Prefill's GEMM, cut so its sums do not depend on the TP world: the
+ * weight's M3_K_CHUNKS row blocks (of the full N) and column chunks (of
+ * the full K) each a GEMM of the same shape on every world (so cuBLAS
+ * picks the same algorithm), the chunks' fp32 outputs combined as
+ * cuda_ksum.cuh's tree. A weight whose N or K does not split into equal
+ * blocks runs as one GEMM per pass. */
 extern "C" m3_status m3_cuda_linear_cublas(m3_cuda *cu, int rows, const uint16_t *x,
                                             const m3_linear *w, m3_dtype out_dtype, void *out) {
     int64_t N = w->w.ne[0], K = w->w.ne[1];
-    float alpha = 1.0f, beta = 0.0f;
-    /* row-major out[T,N] = x[T,K] w[N,K]^T is column-major out^T = w x^T */
-    cublasStatus_t s = cublasGemmEx(
-        cu->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, rows, (int)K, &alpha, w->w.data,
-        CUDA_R_16BF, (int)(w->w.nb[0] / 2), x, CUDA_R_16BF, (int)K, &beta, out,
-        out_dtype == M3_DT_F32 ? CUDA_R_32F : CUDA_R_16BF, (int)N, CUBLAS_COMPUTE_32F,
-        CUBLAS_GEMM_DEFAULT);
-    if (s != CUBLAS_STATUS_SUCCESS)
-        return m3_fail(M3_ERR_DEVICE, "cuBLAS GemmEx [%d x %lld x %lld] failed: status %d", rows,
-                       (long long)N, (long long)K, (int)s);
+    int nc = w->n_chunks > 0 ? w->n_chunks : M3_K_CHUNKS, kch = k_chunks_of(w);
+    if (N % nc || K % kch || (K / kch) % 8) {
+        nc = 1;
+        kch = 1;
+    }
+    int64_t nb = N / nc;
+    int kc = (int)(K / kch);
+    bool out_f32 = out_dtype == M3_DT_F32;
+    size_t out_size = out_f32 ? 4 : 2;
+    float *part = NULL;
+    if (kch > 1) {
+        int m_max = rows < CUBLAS_ROWS ? rows : CUBLAS_ROWS;
+        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)kch * m_max * nb * 4,
+                                 (void **)&part));
+    }
+    for (int r0 = 0; r0 < rows; r0 += CUBLAS_ROWS) {
+        int m = rows - r0 < CUBLAS_ROWS ? rows - r0 : CUBLAS_ROWS;
+        const uint16_t *xr = x + (int64_t)r0 * K;
+        char *o = static_cast<char *>(out) + (size_t)r0 * N * out_size;
+        for (int b = 0; b < nc; b++) {
+            const char *wb = static_cast<const char *>(w->w.data) + (size_t)b * nb * w->w.nb[0];
+            if (kch == 1) {
+                M3_TRY(gemm_block(cu, m, xr, K, w, wb, nb, kc, out_f32, o + b * nb * out_size, N));
+                continue;
+            }
+            for (int c = 0; c < kch; c++)
+                M3_TRY(gemm_block(cu, m, xr + (int64_t)c * kc, K, w, wb + (size_t)c * kc * 2, nb,
+                                  kc, true, part + (size_t)c * m * nb, nb));
+            int64_t n = (int64_t)m * nb;
+            cublas_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
+                part, kch, m, nb, out_f32, o + b * nb * out_size, N);
+            M3_CUDA_LAUNCHED("cublas_finish_kernel");
+        }
+    }
     return M3_OK;
 }
 
@@ -173,14 +267,14 @@ static m3_status gemv_dispatch(m3_cuda *cu, int rows, const uint16_t *x, const m
     if (!vector_ok(w, x, K)) {
         int64_t total = (int64_t)rows * N;
         unsigned grid = (unsigned)((total + 255) / 256);
-        linear_scalar_kernel<<<grid, 256, 0, cu->stream>>>(W, fp8, x, rows, (int)K, N, out_f32,
-                                                           out);
+        linear_scalar_kernel<<<grid, 256, 0, cu->stream>>>(W, fp8, x, rows, (int)K, N,
+                                                           k_chunks_of(w), out_f32, out);
         M3_CUDA_LAUNCHED("linear_scalar_kernel");
         return M3_OK;
     }
     if (fp8)
-        return launch_gemv<true>(cu, W, x, rows, (int)K, N, out_f32, out);
-    return launch_gemv<false>(cu, W, x, rows, (int)K, N, out_f32, out);
+        return launch_gemv<true>(cu, W, x, rows, (int)K, N, k_chunks_of(w), out_f32, out);
+    return launch_gemv<false>(cu, W, x, rows, (int)K, N, k_chunks_of(w), out_f32, out);
 }
 
 extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
@@ -293,7 +387,8 @@ static m3_status launch_f32w(m3_cuda *cu, const uint16_t *x, const float *w, int
     linear_f32w_kernel<T><<<grid, GEMV_THREADS, smem, cu->stream>>>(w, x, rows, K, N, k_slice,
                                                                       part);
     M3_CUDA_LAUNCHED("linear_f32w_kernel");
-    return splits > 1 ? finish_splitk(cu, part, splits, (int64_t)rows * N, true, out) : M3_OK;
+    return splits > 1 ? finish_splitk(cu, part, splits, (int64_t)rows * N, false, true, out)
+                      : M3_OK;
 }
 
 extern "C" m3_status m3_cuda_linear_f32w(m3_cuda *cu, int rows, const uint16_t *x,

@@ -176,13 +176,15 @@ __device__ __forceinline__ void down_store(float *p, float v) { *p = v; }
 __device__ __forceinline__ float down_load(const uint16_t *p) { return m3_bf(*p); }
 __device__ __forceinline__ float down_load(const float *p) { return m3_round_bf(*p); }
 
-/* eout[m, n] = act[m] . down[n] for the members m of slot u's expert. */
+/* eout[m, n] = act[m] . down[n] for the members m of slot u's expert,
+ * summed over I's n_chunks chunks as cuda_ksum.cuh's tree (a TP rank's
+ * n_chunks = 8 / world: its fp32 partial is a subtree of TP 1's sum). */
 template <int T, bool FP8, typename Out>
 __global__ void __launch_bounds__(GEMV_THREADS)
     moe_down_kernel(expert_weights down, const uint16_t *__restrict__ act, int H, int I,
-                    const int32_t *__restrict__ uniq, const int32_t *__restrict__ first,
-                    const int32_t *__restrict__ members, const int32_t *__restrict__ n_uniq,
-                    Out *__restrict__ eout) {
+                    int n_chunks, const int32_t *__restrict__ uniq,
+                    const int32_t *__restrict__ first, const int32_t *__restrict__ members,
+                    const int32_t *__restrict__ n_uniq, Out *__restrict__ eout) {
     extern __shared__ uint4 smem_x[];
     uint16_t *xs = reinterpret_cast<uint16_t *>(smem_x);
     int u = blockIdx.y;
@@ -190,18 +192,15 @@ __global__ void __launch_bounds__(GEMV_THREADS)
         return;
     gemv_weight W = expert_at(down, uniq[u]);
     int64_t n0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_R;
-    int lane = threadIdx.x & 31;
     for (int g0 = first[u]; g0 < first[u + 1]; g0 += T) {
         int rows = first[u + 1] - g0 < T ? first[u + 1] - g0 : T;
         auto row_ptr = [&](int t) { return act + (int64_t)members[g0 + t] * I; };
-        float y[GEMV_R][T];
-        gemv_rows<T, FP8>(y, W, n0, H, 0, I, row_ptr, rows, xs);
-#pragma unroll
-        for (int r = 0; r < GEMV_R; r++)
-#pragma unroll
-            for (int t = 0; t < T; t++)
-                if ((r * T + t) % 32 == lane && n0 + r < H && t < rows)
-                    down_store(&eout[(int64_t)members[g0 + t] * H + n0 + r], y[r][t]);
+        float y = gemv_tree<T, FP8>(W, n0, H, I, n_chunks, 0, n_chunks, row_ptr, rows, xs);
+        bool first_lane;
+        int j = ksum_lane_value<GEMV_R * T>(&first_lane);
+        int r = j / T, t = j % T;
+        if (first_lane && n0 + r < H && t < rows)
+            down_store(&eout[(int64_t)members[g0 + t] * H + n0 + r], y);
     }
 }
 
@@ -283,7 +282,8 @@ static m3_status expert_layout(const m3_linear *l, int E, const char *kind, expe
 template <int T, bool FP8>
 static m3_status launch_experts_t(m3_cuda *cu, const expert_weights &g, const expert_weights &u,
                                   const expert_weights &d, const uint16_t *x, int slots, int k,
-                                  int H, int I, const m3_moe_params *p, const moe_ws &w) {
+                                  int H, int I, int n_chunks, const m3_moe_params *p,
+                                  const moe_ws &w) {
     size_t smem = (size_t)T * GEMV_KC * 2;
     dim3 grid_up((unsigned)((I + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R)), (unsigned)slots);
     moe_gate_up_kernel<T, FP8><<<grid_up, GEMV_THREADS, smem, cu->stream>>>(
@@ -294,10 +294,11 @@ static m3_status launch_experts_t(m3_cuda *cu, const expert_weights &g, const ex
                    (unsigned)slots);
     if (p->tp && p->tp->world > 1)
         moe_down_kernel<T, FP8, float><<<grid_down, GEMV_THREADS, smem, cu->stream>>>(
-            d, w.act, H, I, w.uniq, w.first, w.members, w.n_uniq, (float *)w.eout);
+            d, w.act, H, I, n_chunks, w.uniq, w.first, w.members, w.n_uniq, (float *)w.eout);
     else
         moe_down_kernel<T, FP8, uint16_t><<<grid_down, GEMV_THREADS, smem, cu->stream>>>(
-            d, w.act, H, I, w.uniq, w.first, w.members, w.n_uniq, (uint16_t *)w.eout);
+            d, w.act, H, I, n_chunks, w.uniq, w.first, w.members, w.n_uniq,
+            (uint16_t *)w.eout);
     M3_CUDA_LAUNCHED("moe_down_kernel");
     return M3_OK;
 }
@@ -306,17 +307,17 @@ template <bool FP8>
 static m3_status launch_experts(m3_cuda *cu, int rows, const expert_weights &g,
                                 const expert_weights &u, const expert_weights &d,
                                 const uint16_t *x, int slots, int k, int H, int I,
-                                const m3_moe_params *p, const moe_ws &w) {
+                                int n_chunks, const m3_moe_params *p, const moe_ws &w) {
     /* An expert's members are at most the step's rows, and in decode
      * usually one or two (k of E experts per row): the kernels take up to
      * 4 members per pass, so the FMA work stays a few per weight element
      * (a 16-row template did 16 and was arithmetic-bound), and an expert
      * with more members streams its weights once per 4. */
     if (rows <= 1)
-        return launch_experts_t<1, FP8>(cu, g, u, d, x, slots, k, H, I, p, w);
+        return launch_experts_t<1, FP8>(cu, g, u, d, x, slots, k, H, I, n_chunks, p, w);
     if (rows <= 2)
-        return launch_experts_t<2, FP8>(cu, g, u, d, x, slots, k, H, I, p, w);
-    return launch_experts_t<4, FP8>(cu, g, u, d, x, slots, k, H, I, p, w);
+        return launch_experts_t<2, FP8>(cu, g, u, d, x, slots, k, H, I, n_chunks, p, w);
+    return launch_experts_t<4, FP8>(cu, g, u, d, x, slots, k, H, I, n_chunks, p, w);
 }
 
 static m3_status check_shapes(const m3_layer_weights *lw, const m3_moe_params *p, int64_t H,
@@ -362,10 +363,14 @@ extern "C" m3_status m3_cuda_moe(m3_backend *be, int rows, const uint16_t *x,
                                                             w.members, w.n_uniq);
     M3_CUDA_LAUNCHED("moe_plan_kernel");
     int slots = n < E ? n : E;
+    /* the down sums' chunks (cuda_ksum.cuh); bounds must be multiples of 8 */
+    int nch = lw->exp_down[0].k_chunks > 0 ? lw->exp_down[0].k_chunks : M3_K_CHUNKS;
+    if (I % (8 * nch))
+        nch = 1;
     if (fp8)
-        M3_TRY(launch_experts<true>(cu, rows, g, u, d, x, slots, k, (int)H, (int)I, p, w));
+        M3_TRY(launch_experts<true>(cu, rows, g, u, d, x, slots, k, (int)H, (int)I, nch, p, w));
     else
-        M3_TRY(launch_experts<false>(cu, rows, g, u, d, x, slots, k, (int)H, (int)I, p, w));
+        M3_TRY(launch_experts<false>(cu, rows, g, u, d, x, slots, k, (int)H, (int)I, nch, p, w));
     if (Is) {
         M3_TRY(m3_cuda_linear(be, rows, x, &lw->sh_gate, M3_DT_BF16, w.sh_gate));
         M3_TRY(m3_cuda_linear(be, rows, x, &lw->sh_up, M3_DT_BF16, w.sh_up));
@@ -375,7 +380,7 @@ extern "C" m3_status m3_cuda_moe(m3_backend *be, int rows, const uint16_t *x,
     }
     int64_t total = (int64_t)rows * H;
     unsigned grid = (unsigned)((total + 255) / 256);
-    if (tp) { /* whole down outputs on every rank, summed in rank order, then rounded */
+    if (tp) { /* whole down outputs on every rank, summed over ranks, then rounded */
         M3_TRY(p->tp->ops->all_reduce_sum_f32(p->tp, (float *)w.eout, (int64_t)n * H));
         if (Is)
             M3_TRY(p->tp->ops->all_reduce_sum_f32(p->tp, (float *)w.shared, total));

@@ -241,6 +241,8 @@ static m3_status create_rank(m3_model *model, const m3_engine_opts *opts, int ra
         st = e->opts.device == M3_DEVICE_CUDA ? m3_cuda_backend_create(e->opts.gpu, &e->be)
                                               : m3_cpu_backend_create(e->opts.threads, &e->be);
     if (!st) {
+        e->be->full_q_heads = model->cfg.num_q_heads;
+        e->be->full_kv_heads = model->cfg.num_kv_heads;
         e->graphs = e->opts.graphs && e->be->ops->graph_begin != NULL;
         /* a backend with graphs always sees capacity-wide block tables, so
          * one captured step serves every context length and eager steps
