@@ -38,20 +38,36 @@ typedef struct m3_tensor {
     const char *name;        /* for messages; not owned */
 } m3_tensor;
 
-/* GPU sums over K are taken as M3_K_CHUNKS fixed chunks of the full K
- * combined as a pairwise tree, so a TP rank's partial is a subtree of TP
- * 1's sum (src/cuda/cuda_ksum.cuh). The same for cuBLAS's column blocks. */
+/* GPU sums over K that do not depend on the TP world (src/cuda/
+ * cuda_ksum.cuh): a dot product over the full K is taken as m3_k_chunks(K)
+ * fixed chunks, each summed by the same code, combined as a pairwise tree,
+ * so a row-parallel rank's partial is a subtree of TP 1's sum. */
 #define M3_K_CHUNKS 8
 
 typedef struct m3_linear {
     m3_tensor w;     /* [N, K] bf16 or f8_e4m3 */
     m3_tensor scale; /* [N, K/32] u8 when w is f8_e4m3; else absent */
-    /* How many of the full weight's M3_K_CHUNKS column chunks this K spans
-     * (a row-parallel TP shard: 8 / tp), and of its M3_K_CHUNKS row blocks
-     * this N spans (a column-parallel shard); 0 means all of them. The
-     * CPU ignores both (its partials are fp64). */
-    int k_chunks, n_chunks;
+    /* A row-parallel weight (o_proj, the down projections): how many of
+     * the full weight's m3_k_chunks chunks this K holds (a TP rank's share
+     * of them); its GPU sums are then cut so, and prefill's GEMM too. 0: a
+     * weight whose K is never split over ranks. The CPU ignores it (its
+     * partials are fp64). */
+    int k_chunks;
 } m3_linear;
+
+/* The chunks of a full K: the most (8, 4, 2) whose length is a multiple of
+ * 256 (the GEMV's step: chunk bounds then fall between steps), else the
+ * most whose length is a multiple of 8 (a slower GEMV path), else 1. A
+ * world W gives TP 1's bits where W divides this count. */
+static inline int m3_k_chunks(int64_t K) {
+    for (int n = M3_K_CHUNKS; n >= 1; n /= 2)
+        if (K % (256 * n) == 0)
+            return n;
+    for (int n = M3_K_CHUNKS; n > 1; n /= 2)
+        if (K % (8 * n) == 0)
+            return n;
+    return 1;
+}
 
 size_t m3_dtype_size(m3_dtype dt);
 const char *m3_dtype_name(m3_dtype dt);

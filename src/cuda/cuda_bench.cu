@@ -183,15 +183,15 @@ extern "C" m3_status m3_cuda_bench_linear(m3_backend *be, int rows, int64_t n, i
             m3_linear l = view(i);
             return m3_cuda_linear(be, rows, x, &l, M3_DT_BF16, out);
         }, gemv_us);
-    if (!st)
+    if (!st) /* a row-parallel weight: K cut into its chunks, then the tree */
         st = time_median(cu, iters, [&](int i) {
             m3_linear l = view(i);
+            l.k_chunks = m3_k_chunks(k);
             return m3_cuda_linear_cublas(cu, rows, x, &l, M3_DT_BF16, out);
         }, cublas_us);
-    if (!st) /* one GEMM, not cut into the world-invariant pieces */
+    if (!st) /* one GEMM */
         st = time_median(cu, iters, [&](int i) {
             m3_linear l = view(i);
-            l.k_chunks = l.n_chunks = 1;
             return m3_cuda_linear_cublas(cu, rows, x, &l, M3_DT_BF16, out);
         }, one_gemm_us);
     cudaFree(w);

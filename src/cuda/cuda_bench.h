@@ -26,8 +26,9 @@ m3_status m3_cuda_fill_random_bf16(m3_backend *be, void *dst, size_t n, uint64_t
 m3_status m3_cuda_moe_unique_experts(m3_backend *be, int *n);
 
 /* Time out[rows, N] = x[rows, K] w[N, K]^T (bf16 in, bf16 out) with the
- * linear op (the decode GEMV up to 16 rows), with cuBLAS cut into the
- * world-invariant pieces (cuda_linear.cu) and with one cuBLAS GEMM:
+ * linear op (the decode GEMV up to 16 rows), with cuBLAS as a row-parallel
+ * weight takes it (K cut into its chunks, then the tree: cuda_linear.cu)
+ * and with one cuBLAS GEMM:
  * medians of iters launches each, rotating over enough weight copies to
  * exceed the L2. */
 m3_status m3_cuda_bench_linear(m3_backend *be, int rows, int64_t n, int64_t k, int iters,

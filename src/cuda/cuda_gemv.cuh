@@ -65,11 +65,16 @@ __device__ __forceinline__ void gemv_stage_x(uint16_t *xs, RowPtr row_ptr, int r
     }
 }
 
+/* No work between a chunk's steps (see gemv_chunk). */
+struct gemv_no_step {
+    __device__ __forceinline__ void operator()(int) const {}
+};
+
 /* The bf16 half of gemv_chunk. */
-template <int T>
+template <int T, typename Step>
 __device__ __forceinline__ void gemv_chunk_bf16(float (&acc)[GEMV_R][T], const gemv_weight &W,
                                                 int64_t n0, int64_t N, int kc, int kn,
-                                                const uint16_t *xs, int lane) {
+                                                const uint16_t *xs, int lane, Step after_step) {
     uint4 wv[GEMV_R][GEMV_U];
 #pragma unroll
     for (int r = 0; r < GEMV_R; r++)
@@ -83,30 +88,35 @@ __device__ __forceinline__ void gemv_chunk_bf16(float (&acc)[GEMV_R][T], const g
 #pragma unroll
     for (int u = 0; u < GEMV_U; u++) {
         int k = lane * 8 + u * 256;
-        if (k >= kn)
-            continue;
-        float wf[GEMV_R][8];
-#pragma unroll
-        for (int r = 0; r < GEMV_R; r++)
-            unpack8(wv[r][u], wf[r]);
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            float xf[8];
-            unpack8(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
+        if (k < kn) {
+            float wf[GEMV_R][8];
 #pragma unroll
             for (int r = 0; r < GEMV_R; r++)
+                unpack8(wv[r][u], wf[r]);
 #pragma unroll
-                for (int j = 0; j < 8; j++)
-                    acc[r][t] += wf[r][j] * xf[j];
+            for (int t = 0; t < T; t++) {
+                float xf[8];
+                unpack8(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
+#pragma unroll
+                for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        acc[r][t] += wf[r][j] * xf[j];
+            }
         }
+        if (u * 256 < kn)
+            after_step(u);
     }
 }
 
-/* acc[r][t] += w[n0 + r, kc + k] x[t, k] over this lane's k of the chunk. */
-template <int T, bool FP8>
+/* acc[r][t] += w[n0 + r, kc + k] x[t, k] over this lane's k of the chunk,
+ * in steps of 256 columns (8 per lane), after_step(u) after step u (every
+ * lane; the whole warp's FMAs of the step are done). */
+template <int T, bool FP8, typename Step = gemv_no_step>
 __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_weight &W,
                                            int64_t n0, int64_t N, int kc, int kn,
-                                           const uint16_t *xs, int lane) {
+                                           const uint16_t *xs, int lane,
+                                           Step after_step = Step()) {
     if constexpr (FP8) {
         uint2 wv[GEMV_R][GEMV_U];
         float sc[GEMV_R][GEMV_U];
@@ -123,25 +133,27 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_w
 #pragma unroll
         for (int u = 0; u < GEMV_U; u++) {
             int k = lane * 8 + u * 256;
-            if (k >= kn)
-                continue;
-            float wf[GEMV_R][8];
-#pragma unroll
-            for (int r = 0; r < GEMV_R; r++)
-                e4m3x8_to_f32(wv[r][u], sc[r][u], wf[r]);
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                float xf[8];
-                unpack8(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
+            if (k < kn) {
+                float wf[GEMV_R][8];
 #pragma unroll
                 for (int r = 0; r < GEMV_R; r++)
+                    e4m3x8_to_f32(wv[r][u], sc[r][u], wf[r]);
 #pragma unroll
-                    for (int j = 0; j < 8; j++)
-                        acc[r][t] += wf[r][j] * xf[j];
+                for (int t = 0; t < T; t++) {
+                    float xf[8];
+                    unpack8(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
+#pragma unroll
+                    for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+                        for (int j = 0; j < 8; j++)
+                            acc[r][t] += wf[r][j] * xf[j];
+                }
             }
+            if (u * 256 < kn)
+                after_step(u);
         }
     } else {
-        gemv_chunk_bf16<T>(acc, W, n0, N, kc, kn, xs, lane);
+        gemv_chunk_bf16<T>(acc, W, n0, N, kc, kn, xs, lane, after_step);
     }
 }
 
@@ -183,17 +195,56 @@ __device__ __forceinline__ void gemv_rows(float (&acc)[GEMV_R][T], const gemv_we
 }
 
 /* The world-invariant sum (cuda_ksum.cuh) of chunks [c0, c0 + group) of
- * n_chunks over K (each chunk's bounds a multiple of 8) for one warp's
- * rows: chunk by chunk, each reduced over the warp, combined as a pairwise
- * tree. Returns the sum this lane holds: value j = r * T + t of
- * ksum_lane_value<GEMV_R * T>. Every thread of the CTA must call it. */
+ * n_chunks over K for one warp's rows: each chunk summed over the warp,
+ * the chunks combined as a pairwise tree. Returns the sum this lane holds:
+ * value j = r * T + t of ksum_lane_value<GEMV_R * T>. Every thread of the
+ * CTA must call it.
+ *
+ * Chunks of a multiple of 256 columns (m3_k_chunks prefers them) end
+ * between the K loop's steps: the loop streams the chunks' columns as one
+ * range, every load of a 1,024-column piece in flight, and reduces at each
+ * chunk's last step. Other chunks (multiples of 8) are staged and summed
+ * one at a time, from their own first column. */
 template <int T, bool FP8, typename RowPtr>
 __device__ __forceinline__ float gemv_tree(const gemv_weight &W, int64_t n0, int64_t N,
                                            int64_t K, int n_chunks, int c0, int group,
                                            RowPtr row_ptr, int rows, uint16_t *xs) {
-    float lv[KSUM_LEVELS];
+    float lv[KSUM_LEVELS] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int k0, k1, kl, kend;
+    ksum_bounds(K, n_chunks, c0, &k0, &k1);
+    ksum_bounds(K, n_chunks, c0 + group - 1, &kl, &kend);
+    const int chunk_len = k1 - k0;
+    if (K % n_chunks == 0 && chunk_len % 256 == 0) {
+        const int lane = threadIdx.x & 31, steps = chunk_len / 256;
+        int step = 0, i = 0;
+        float acc[GEMV_R][T];
+#pragma unroll
+        for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+            for (int t = 0; t < T; t++)
+                acc[r][t] = 0.0f;
+        auto chunk_end = [&](int) {
+            if (++step < steps)
+                return;
+            step = 0;
+            ksum_push(lv, i++, ksum_warp_scatter(acc));
+#pragma unroll
+            for (int r = 0; r < GEMV_R; r++)
+#pragma unroll
+                for (int t = 0; t < T; t++)
+                    acc[r][t] = 0.0f;
+        };
+        for (int kc = k0; kc < kend; kc += GEMV_KC) {
+            int kn = kend - kc < GEMV_KC ? kend - kc : GEMV_KC;
+            __syncthreads(); /* the previous piece is consumed */
+            gemv_stage_x<T>(xs, row_ptr, rows, kc, kn);
+            __syncthreads();
+            if (n0 < N)
+                gemv_chunk<T, FP8>(acc, W, n0, N, kc, kn, xs, lane, chunk_end);
+        }
+        return ksum_fold(lv, group);
+    }
     for (int i = 0; i < group; i++) {
-        int k0, k1;
         ksum_bounds(K, n_chunks, c0 + i, &k0, &k1);
         float acc[GEMV_R][T];
         gemv_rows_lane<T, FP8>(acc, W, n0, N, k0, k1, row_ptr, rows, xs);

@@ -1,20 +1,20 @@
 /*
- * Sums over K that do not depend on the TP world size. A dot product over
- * the full K of a weight is taken as M3_K_CHUNKS (8) fixed chunks of
- * K_full / 8 columns; each chunk is summed in fp32 by the same code
- * whatever the world, and the chunks are combined as a pairwise tree:
+ * Sums over K that do not depend on the TP world. A dot product over the
+ * full K of a weight is taken as n = m3_k_chunks(K) fixed chunks
+ * (core/tensor.h: 8, 4 or 2 chunks of a multiple of 256 columns where K
+ * allows); each chunk is summed in fp32 by the same code whatever the
+ * world, and the chunks are combined as a pairwise tree, for 8:
  * ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7)). A row-parallel rank of
- * a world W (a power of two <= 8) holds 8 / W whole chunks, sums them as
- * the same subtree, and the all-reduce combines the ranks' partials as the
- * tree's top levels over rank ids (cuda_comm.cu). So TP 1, 2, 4 and 8 give
- * the same bits (docs/ARCHITECTURE.md, "Sums that do not depend on the
- * world"). Column-parallel linears hold the full K: their 8 chunks are the
- * same on every rank, and how many output rows a rank owns changes
- * nothing in them.
+ * a world W dividing n holds n / W whole chunks, sums them as the same
+ * subtree, and the all-reduce combines the ranks' partials as the tree's
+ * top levels over rank ids (cuda_comm.cu). So TP 1, 2, 4 (and 8 where n is
+ * 8) give the same bits (docs/ARCHITECTURE.md, "Sums that do not depend
+ * on the world"). Column-parallel linears hold the full K: their chunks
+ * are the same on every rank, and how many output rows a rank owns
+ * changes nothing in them.
  *
  * Chunk c of n over K columns is [c * K / n, (c + 1) * K / n) (floors), so
- * a rank's slice [r * K_full / W, ...) of 8 / W chunks has the same bounds
- * as the global chunks whatever K is.
+ * a rank's slice of n / W chunks has the same bounds as the global chunks.
  */
 #ifndef M3_CUDA_CUDA_KSUM_CUH
 #define M3_CUDA_CUDA_KSUM_CUH

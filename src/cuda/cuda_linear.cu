@@ -163,9 +163,10 @@ static m3_status launch_gemv(m3_cuda *cu, const gemv_weight &W, const uint16_t *
     return launch_linear<16, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
 }
 
-/* The chunks of the full K this weight's K is (cuda_ksum.cuh). */
+/* The chunks of K this weight's sums are cut into (cuda_ksum.cuh): a
+ * row-parallel weight's share of the full K's, else the rule's for K. */
 static int k_chunks_of(const m3_linear *w) {
-    return w->k_chunks > 0 ? w->k_chunks : M3_K_CHUNKS;
+    return w->k_chunks > 0 ? w->k_chunks : m3_k_chunks(w->w.ne[1]);
 }
 
 /* The vector GEMV needs 16-byte rows and every chunk bound a multiple of 8. */
@@ -174,24 +175,6 @@ static bool vector_ok(const m3_linear *w, const void *x, int64_t K) {
     uintptr_t a = (uintptr_t)w->w.data | (uintptr_t)x;
     return K % (8 * k_chunks_of(w)) == 0 && a % 16 == 0 && w->w.nb[0] % 16 == 0 &&
            (!fp8 || K % 32 == 0);
-}
-
-/* out block [m, nb] (row stride ldo, fp32 or bf16) = x[m, kc columns] w[nb
- * rows, kc columns]^T: one cuBLAS GEMM. x and w point at the block's first
- * element; their row strides are ldx and w's own. */
-static m3_status gemm_block(m3_cuda *cu, int m, const uint16_t *x, int64_t ldx, const m3_linear *w,
-                            const void *wblk, int64_t nb, int kc, bool out_f32, void *out,
-                            int64_t ldo) {
-    float alpha = 1.0f, beta = 0.0f;
-    /* row-major out[m,nb] = x[m,kc] w[nb,kc]^T is column-major out^T = w x^T */
-    cublasStatus_t s = cublasGemmEx(cu->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)nb, m, kc, &alpha,
-                                    wblk, CUDA_R_16BF, (int)(w->w.nb[0] / 2), x, CUDA_R_16BF,
-                                    (int)ldx, &beta, out, out_f32 ? CUDA_R_32F : CUDA_R_16BF,
-                                    (int)ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    if (s != CUBLAS_STATUS_SUCCESS)
-        return m3_fail(M3_ERR_DEVICE, "cuBLAS GemmEx [%d x %lld x %d] of %s failed: status %d", m,
-                       (long long)nb, kc, w->w.name ? w->w.name : "a linear", (int)s);
-    return M3_OK;
 }
 
 /* out[t, n] (row stride ldo) = the tree over kch chunks of part [kch, m, nb]. */
@@ -210,50 +193,61 @@ __global__ void cublas_finish_kernel(const float *__restrict__ part, int kch, in
 }
 
 /* Rows per cuBLAS pass: fixed, so a pass's shapes never depend on the world. */
-#define CUBLAS_ROWS 256
+#define CUBLAS_ROWS 1024
 
-/* Prefill's GEMM, cut so its sums do not depend on the TP world: the
- * weight's M3_K_CHUNKS row blocks (of the full N) and column chunks (of
- * the full K) each a GEMM of the same shape on every world (so cuBLAS
- * picks the same algorithm), the chunks' fp32 outputs combined as
- * cuda_ksum.cuh's tree. A weight whose N or K does not split into equal
- * blocks runs as one GEMM per pass. */
+/* out[m, N] (or, batched over `batch` chunks of kc columns, part [batch, m,
+ * N] fp32) = x[m, kc] w[N, kc]^T: one cuBLAS call. */
+static m3_status gemm(m3_cuda *cu, int m, const uint16_t *x, int64_t K, const m3_linear *w,
+                      int kc, int batch, cudaDataType out_t, void *out) {
+    float alpha = 1.0f, beta = 0.0f;
+    int64_t N = w->w.ne[0];
+    int lda = (int)(w->w.nb[0] / 2);
+    /* row-major out[m,N] = x[m,kc] w[N,kc]^T is column-major out^T = w x^T */
+    cublasStatus_t s = cublasGemmStridedBatchedEx(
+        cu->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, m, kc, &alpha, w->w.data, CUDA_R_16BF, lda,
+        kc, x, CUDA_R_16BF, (int)K, kc, &beta, out, out_t, (int)N, (int64_t)m * N, batch,
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return m3_fail(M3_ERR_DEVICE, "cuBLAS GEMM [%d x %lld x %d] x %d of %s failed: status %d",
+                       m, (long long)N, kc, batch, w->w.name ? w->w.name : "a linear", (int)s);
+    return M3_OK;
+}
+
+/* Prefill's GEMM (bf16 weights, more than 16 rows), 1024 rows per pass. A
+ * row-parallel weight's K is cut into its chunks (cuda_ksum.cuh): one
+ * batched call gives each chunk's fp32 sums, combined as the tree, so a
+ * TP rank's partial is a subtree of TP 1's. Other weights hold the full K
+ * on every rank: one GEMM (a TP rank's differs from TP 1's only in N, and
+ * cuBLAS's sums of an output do not depend on N: test_cuda_worlds checks
+ * both). */
 extern "C" m3_status m3_cuda_linear_cublas(m3_cuda *cu, int rows, const uint16_t *x,
                                             const m3_linear *w, m3_dtype out_dtype, void *out) {
     int64_t N = w->w.ne[0], K = w->w.ne[1];
-    int nc = w->n_chunks > 0 ? w->n_chunks : M3_K_CHUNKS, kch = k_chunks_of(w);
-    if (N % nc || K % kch || (K / kch) % 8) {
-        nc = 1;
-        kch = 1;
-    }
-    int64_t nb = N / nc;
+    int kch = w->k_chunks > 0 && K % w->k_chunks == 0 && (K / w->k_chunks) % 8 == 0
+                  ? w->k_chunks
+                  : 1;
     int kc = (int)(K / kch);
     bool out_f32 = out_dtype == M3_DT_F32;
     size_t out_size = out_f32 ? 4 : 2;
     float *part = NULL;
     if (kch > 1) {
         int m_max = rows < CUBLAS_ROWS ? rows : CUBLAS_ROWS;
-        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)kch * m_max * nb * 4,
+        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)kch * m_max * N * 4,
                                  (void **)&part));
     }
     for (int r0 = 0; r0 < rows; r0 += CUBLAS_ROWS) {
         int m = rows - r0 < CUBLAS_ROWS ? rows - r0 : CUBLAS_ROWS;
         const uint16_t *xr = x + (int64_t)r0 * K;
         char *o = static_cast<char *>(out) + (size_t)r0 * N * out_size;
-        for (int b = 0; b < nc; b++) {
-            const char *wb = static_cast<const char *>(w->w.data) + (size_t)b * nb * w->w.nb[0];
-            if (kch == 1) {
-                M3_TRY(gemm_block(cu, m, xr, K, w, wb, nb, kc, out_f32, o + b * nb * out_size, N));
-                continue;
-            }
-            for (int c = 0; c < kch; c++)
-                M3_TRY(gemm_block(cu, m, xr + (int64_t)c * kc, K, w, wb + (size_t)c * kc * 2, nb,
-                                  kc, true, part + (size_t)c * m * nb, nb));
-            int64_t n = (int64_t)m * nb;
-            cublas_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
-                part, kch, m, nb, out_f32, o + b * nb * out_size, N);
-            M3_CUDA_LAUNCHED("cublas_finish_kernel");
+        if (kch == 1) {
+            M3_TRY(gemm(cu, m, xr, K, w, kc, 1, out_f32 ? CUDA_R_32F : CUDA_R_16BF, o));
+            continue;
         }
+        M3_TRY(gemm(cu, m, xr, K, w, kc, kch, CUDA_R_32F, part));
+        int64_t n = (int64_t)m * N;
+        cublas_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
+            part, kch, m, N, out_f32, o, N);
+        M3_CUDA_LAUNCHED("cublas_finish_kernel");
     }
     return M3_OK;
 }
@@ -291,7 +285,11 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
      * m3 bench linear): each row's sums then never depend on how many
      * sequences share the step, so batching does not change anyone's
      * tokens (docs/PERF.md). */
-    if (rows > GEMV_MAX_T && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX)
+    /* (a row-parallel weight whose chunks cuBLAS cannot take stays on the
+     * GEMV, whose sums are cut alike at every row count) */
+    bool chunks_ok = w->k_chunks <= 0 || (K % w->k_chunks == 0 && (K / w->k_chunks) % 8 == 0);
+    if (rows > GEMV_MAX_T && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX &&
+        chunks_ok)
         return m3_cuda_linear_cublas(cu, rows, x, w, out_dtype, out);
     /* MXFP8 (or odd shapes) past 16 rows: 16 rows per pass */
     size_t out_size = out_f32 ? 4 : 2;

@@ -177,8 +177,9 @@ __device__ __forceinline__ float down_load(const uint16_t *p) { return m3_bf(*p)
 __device__ __forceinline__ float down_load(const float *p) { return m3_round_bf(*p); }
 
 /* eout[m, n] = act[m] . down[n] for the members m of slot u's expert,
- * summed over I's n_chunks chunks as cuda_ksum.cuh's tree (a TP rank's
- * n_chunks = 8 / world: its fp32 partial is a subtree of TP 1's sum). */
+ * summed over I's n_chunks chunks as cuda_ksum.cuh's tree (a TP rank holds
+ * its share of the full width's chunks: its fp32 partial is a subtree of
+ * TP 1's sum). */
 template <int T, bool FP8, typename Out>
 __global__ void __launch_bounds__(GEMV_THREADS)
     moe_down_kernel(expert_weights down, const uint16_t *__restrict__ act, int H, int I,
@@ -364,7 +365,7 @@ extern "C" m3_status m3_cuda_moe(m3_backend *be, int rows, const uint16_t *x,
     M3_CUDA_LAUNCHED("moe_plan_kernel");
     int slots = n < E ? n : E;
     /* the down sums' chunks (cuda_ksum.cuh); bounds must be multiples of 8 */
-    int nch = lw->exp_down[0].k_chunks > 0 ? lw->exp_down[0].k_chunks : M3_K_CHUNKS;
+    int nch = lw->exp_down[0].k_chunks > 0 ? lw->exp_down[0].k_chunks : m3_k_chunks(I);
     if (I % (8 * nch))
         nch = 1;
     if (fp8)

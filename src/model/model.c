@@ -286,18 +286,33 @@ static m3_status bind_attention(const binder *b, m3_layer_weights *lw, const m3_
     return M3_OK;
 }
 
+/* The row-parallel weights (whose K a TP shard splits): their GPU sums
+ * are cut into m3_k_chunks chunks at every world (core/tensor.h). */
+static void mark_row_parallel(m3_linear *l) {
+    if (l->w.data)
+        l->k_chunks = m3_k_chunks(l->w.ne[1]);
+}
+
 static m3_status bind_layer(const binder *b, m3_layer_weights *lw, const m3_config *c) {
     char s[NAME_CAP], s2[NAME_CAP], s3[NAME_CAP];
     int i = lw->index;
     M3_TRY(bind_attention(b, lw, c));
-    if (lw->moe)
-        return bind_moe(b, lw, c);
+    mark_row_parallel(&lw->o_proj);
+    if (lw->moe) {
+        M3_TRY(bind_moe(b, lw, c));
+        mark_row_parallel(&lw->sh_down);
+        for (int e = 0; lw->exp_down && e < c->num_experts; e++)
+            mark_row_parallel(&lw->exp_down[e]);
+        return M3_OK;
+    }
     snprintf(s, sizeof s, "layers.%d.mlp.gate_proj", i);
     snprintf(s2, sizeof s2, "layers.%d.mlp.up_proj", i);
     snprintf(s3, sizeof s3, "layers.%d.mlp.gate_up_proj", i);
     M3_TRY(bind_gate_up(b, s, s2, s3, c->dense_dim, c->hidden_size, &lw->mlp_gate, &lw->mlp_up));
     snprintf(s, sizeof s, "layers.%d.mlp.down_proj", i);
-    return bind_linear(b, s, c->hidden_size, c->dense_dim, &lw->mlp_down);
+    M3_TRY(bind_linear(b, s, c->hidden_size, c->dense_dim, &lw->mlp_down));
+    mark_row_parallel(&lw->mlp_down);
+    return M3_OK;
 }
 
 static const char *const prefixes[] = {"language_model.model.", "model.language_model.", "model.",

@@ -69,17 +69,6 @@ m3_config m3_tp_config(const m3_config *c, int tp) {
     return r;
 }
 
-/* How many of M3_K_CHUNKS chunks of `full` a slice of `count` is: 8 / tp
- * when tp divides 8 (the slice is whole chunks), else 0 (the GPU then sums
- * the slice as its own 8 chunks: TP 3, 5, 6 and 7 are not bit-identical to
- * TP 1). */
-static int m3_tp_chunks(int64_t full, int64_t count) {
-    if (count <= 0 || full % count)
-        return 0;
-    int64_t tp = full / count;
-    return M3_K_CHUNKS % tp == 0 ? (int)(M3_K_CHUNKS / tp) : 0;
-}
-
 /* Columns [first, first + count) of a linear weight: a strided view (the
  * row stride stays the full row's). */
 static m3_linear cols_view(const m3_linear *l, int64_t first, int64_t count) {
@@ -87,7 +76,10 @@ static m3_linear cols_view(const m3_linear *l, int64_t first, int64_t count) {
     if (!l->w.data)
         return v;
     v.w.ne[1] = count;
-    v.k_chunks = m3_tp_chunks(l->w.ne[1], count);
+    /* a row-parallel slice: its share of the full weight's chunks (when the
+     * world divides them; else its sums are its own, not TP 1's) */
+    int64_t tp = count > 0 && l->w.ne[1] % count == 0 ? l->w.ne[1] / count : 0;
+    v.k_chunks = tp > 0 && l->k_chunks % tp == 0 ? (int)(l->k_chunks / tp) : 0;
     v.w.data = (char *)l->w.data + first * (int64_t)m3_dtype_size(l->w.dtype);
     if (l->scale.data) {
         v.scale.ne[1] = count / 32;
@@ -97,11 +89,7 @@ static m3_linear cols_view(const m3_linear *l, int64_t first, int64_t count) {
 }
 
 static m3_linear rows_view(const m3_linear *l, int64_t first, int64_t count) {
-    if (!l->w.data)
-        return *l;
-    m3_linear v = m3_linear_rows_view(l, first, count);
-    v.n_chunks = m3_tp_chunks(l->w.ne[0], count);
-    return v;
+    return l->w.data ? m3_linear_rows_view(l, first, count) : *l;
 }
 
 /* gate/up rows and down columns [rank * w, (rank + 1) * w) of one FFN */

@@ -3,18 +3,20 @@
  * (src/cuda/cuda_ksum.cuh): a TP rank's share of an op, computed by the
  * same CUDA op on that rank's weight slice, must give TP 1's bits once the
  * ranks' fp32 partials are combined as the all-reduce combines them (a
- * pairwise tree over rank ids). Worlds 2, 4 and 8 are emulated one rank
+ * pairwise tree over rank ids). Worlds 2, 4 and 8 (where they divide the
+ * chunks) are emulated one rank
  * after another on GPU 0; test_cuda_tp checks the same on real GPUs, end
  * to end.
  *
  *   linear, row-parallel: rank r holds columns [r K/W, (r+1) K/W) of the
- *     weight with k_chunks = 8 / W (as model/shard.c sets it) and the same
- *     columns of x; its fp32 outputs, tree-summed over ranks, must equal TP
+ *     weight with its share of the m3_k_chunks(K) chunks (as model/shard.c
+ *     sets it) and the same columns of x; its fp32 outputs, tree-summed over ranks, must equal TP
  *     1's fp32 output bit for bit, and rounded, TP 1's bf16 output. Decode
- *     row counts (the GEMV), prefill (cuBLAS, 40 and 300 rows), MXFP8, and
- *     a K whose chunks are not multiples of 8 (the scalar kernel).
- *   linear, column-parallel: rank r holds rows [r N/W, ...) with n_chunks
- *     = 8 / W; its outputs must equal TP 1's columns bit for bit.
+ *     row counts (the GEMV), prefill (cuBLAS, 17 to 300 rows), MXFP8, and
+ *     chunks that are not multiples of 256 columns (staged one by one).
+ *   linear, column-parallel: rank r holds rows [r N/W, ...); its outputs
+ *     must equal TP 1's columns bit for bit (cuBLAS's sums must not
+ *     depend on N).
  *   MoE: each rank runs the MoE op on its slices of every expert and of the
  *     shared expert, through a communicator whose all-reduce first collects
  *     the ranks' fp32 partials and then, on a second pass, hands back their
@@ -146,14 +148,14 @@ static host_linear make_weight(int64_t N, int64_t K, bool fp8, float amp) {
 /* Rows [n0, n0 + n) and columns [k0, k0 + k) of h, dense, as a host
  * linear with the given chunk counts (free with free_host). */
 static m3_linear slice_host(const host_linear *h, int64_t n0, int64_t n, int64_t k0, int64_t k,
-                            int k_chunks, int n_chunks) {
+                            int k_chunks) {
     size_t es = h->fp8 ? 1 : 2;
     uint8_t *w = gpu_xmalloc((size_t)(n * k) * es);
     for (int64_t r = 0; r < n; r++)
         memcpy(w + (size_t)(r * k) * es, h->w + (size_t)((n0 + r) * h->K + k0) * es,
                (size_t)k * es);
     int64_t ne[2] = {n, k}, nes[2] = {n, k / 32};
-    m3_linear l = {{0}, {0}, k_chunks, n_chunks};
+    m3_linear l = {{0}, {0}, k_chunks};
     l.w = m3_tensor_make(h->fp8 ? M3_DT_F8_E4M3 : M3_DT_BF16, 2, ne, w);
     if (h->fp8) {
         uint8_t *s = gpu_xmalloc((size_t)(n * k / 32));
@@ -175,8 +177,8 @@ static size_t bytes_of(const m3_tensor *t) {
 
 /* slice_host's linear on the device. */
 static m3_linear slice_to_gpu(const host_linear *h, int64_t n0, int64_t n, int64_t k0, int64_t k,
-                              int k_chunks, int n_chunks) {
-    m3_linear l = slice_host(h, n0, n, k0, k, k_chunks, n_chunks), d = l;
+                              int k_chunks) {
+    m3_linear l = slice_host(h, n0, n, k0, k, k_chunks), d = l;
     d.w.data = dev_put(l.w.data, bytes_of(&l.w));
     if (l.scale.data)
         d.scale.data = dev_put(l.scale.data, bytes_of(&l.scale));
@@ -201,16 +203,15 @@ static uint16_t *x_cols(const uint16_t *x, int rows, int64_t K, int64_t k0, int6
     return d;
 }
 
-static void linear_world(const host_linear *h, const uint16_t *x, int rows, const float *ref32,
+/* Row-parallel at world W (W divides the full weight's chunks): the
+ * ranks' fp32 partials, tree-summed, against TP 1's fp32 and bf16. */
+static void row_parallel(const host_linear *h, const uint16_t *x, int rows, const float *ref32,
                          const uint16_t *ref16, int W) {
-    int64_t N = h->N, K = h->K, kw = K / W, nw = N / W, n = (int64_t)rows * N;
-    char what[160], detail[96];
-    snprintf(what, sizeof what, "linear %s N %lld K %lld rows %d, world %d",
-             h->fp8 ? "mxfp8" : "bf16", (long long)N, (long long)K, rows, W);
-    /* row-parallel: the ranks' fp32 partials, tree-summed */
+    int64_t N = h->N, K = h->K, kw = K / W, n = (int64_t)rows * N;
+    int kch = m3_k_chunks(K);
     float *parts = gpu_xmalloc((size_t)W * n * 4);
     for (int r = 0; r < W; r++) {
-        m3_linear l = slice_to_gpu(h, 0, N, r * kw, kw, M3_K_CHUNKS / W, 0);
+        m3_linear l = slice_to_gpu(h, 0, N, r * kw, kw, kch / W);
         float *p = run_linear(rows, x_cols(x, rows, K, r * kw, kw), &l, M3_DT_F32);
         memcpy(parts + (size_t)r * n, p, (size_t)n * 4);
         free(p);
@@ -224,55 +225,71 @@ static void linear_world(const host_linear *h, const uint16_t *x, int rows, cons
         bad32 += a != b;
         bad16 += m3_f32_to_bf16(v) != ref16[i];
     }
+    free(parts);
+    char what[160], detail[96];
+    snprintf(what, sizeof what, "linear %s N %lld K %lld (%d chunks) rows %d, world %d, "
+             "row-parallel = TP 1", h->fp8 ? "mxfp8" : "bf16", (long long)N, (long long)K, kch,
+             rows, W);
     snprintf(detail, sizeof detail, "%lld fp32 and %lld bf16 of %lld values differ",
              (long long)bad32, (long long)bad16, (long long)n);
-    char w2[200];
-    snprintf(w2, sizeof w2, "%s, row-parallel = TP 1", what);
-    check(bad32 == 0 && bad16 == 0, w2, detail);
-    free(parts);
-    /* column-parallel: each rank's rows of the output */
-    int64_t bad = 0;
+    check(bad32 == 0 && bad16 == 0, what, detail);
+}
+
+/* Column-parallel at world W: each rank's rows of TP 1's output. */
+static void column_parallel(const host_linear *h, const uint16_t *x, int rows,
+                            const uint16_t *ref16, int W) {
+    int64_t N = h->N, K = h->K, nw = N / W, bad = 0;
     uint16_t *xd = dev_put(x, (size_t)(rows * K) * 2);
     for (int r = 0; r < W; r++) {
-        m3_linear l = slice_to_gpu(h, r * nw, nw, 0, K, 0, M3_K_CHUNKS / W);
+        m3_linear l = slice_to_gpu(h, r * nw, nw, 0, K, 0);
         uint16_t *o = run_linear(rows, xd, &l, M3_DT_BF16);
         for (int t = 0; t < rows; t++)
             for (int64_t j = 0; j < nw; j++)
                 bad += o[t * nw + j] != ref16[t * N + r * nw + j];
         free(o);
     }
-    snprintf(detail, sizeof detail, "%lld of %lld values differ", (long long)bad, (long long)n);
-    snprintf(w2, sizeof w2, "%s, column-parallel = TP 1", what);
-    check(bad == 0, w2, detail);
+    char what[160], detail[96];
+    snprintf(what, sizeof what, "linear %s N %lld K %lld rows %d, world %d, column-parallel = TP 1",
+             h->fp8 ? "mxfp8" : "bf16", (long long)N, (long long)K, rows, W);
+    snprintf(detail, sizeof detail, "%lld of %lld values differ", (long long)bad,
+             (long long)rows * N);
+    check(bad == 0, what, detail);
 }
 
 static void linear_case(int64_t N, int64_t K, bool fp8, int rows) {
     host_linear h = make_weight(N, K, fp8, 2.0f / sqrtf((float)K));
     uint16_t *x = rnd_bf16((int64_t)rows * K, 1.0f);
-    m3_linear full = slice_to_gpu(&h, 0, N, 0, K, 0, 0);
     uint16_t *xd = dev_put(x, (size_t)(rows * K) * 2);
-    float *ref32 = run_linear(rows, xd, &full, M3_DT_F32);
-    uint16_t *ref16 = run_linear(rows, xd, &full, M3_DT_BF16);
-    for (int W = 2; W <= 8; W *= 2)
-        if (K % W == 0 && N % W == 0 && (!fp8 || (K / W) % 32 == 0))
-            linear_world(&h, x, rows, ref32, ref16, W);
-    free(ref32);
-    free(ref16);
-    free(x);
-    free(h.w);
-    free(h.s);
+    int kch = m3_k_chunks(K);
+    /* TP 1 as a row-parallel weight (model.c marks o_proj and the downs
+     * so) and as any other weight */
+    m3_linear row = slice_to_gpu(&h, 0, N, 0, K, kch), col = slice_to_gpu(&h, 0, N, 0, K, 0);
+    float *ref32 = run_linear(rows, xd, &row, M3_DT_F32);
+    uint16_t *ref16 = run_linear(rows, xd, &row, M3_DT_BF16);
+    uint16_t *col16 = run_linear(rows, xd, &col, M3_DT_BF16);
+    for (int W = 2; W <= 8; W *= 2) {
+        if (kch % W == 0 && (!fp8 || (K / W) % 32 == 0))
+            row_parallel(&h, x, rows, ref32, ref16, W);
+        if (N % W == 0)
+            column_parallel(&h, x, rows, col16, W);
+    }
+    free(ref32), free(ref16), free(col16), free(x), free(h.w), free(h.s);
     release_dev();
 }
 
 static void test_linear(void) {
-    static const int rows_list[] = {1, 3, 8, 16, 40, 300};
+    static const int rows_list[] = {1, 3, 8, 16, 17, 40, 300};
     for (size_t i = 0; i < sizeof rows_list / sizeof *rows_list; i++)
-        linear_case(520, 2048, false, rows_list[i]);
-    linear_case(264, 6144, false, 1);
-    linear_case(264, 1024, true, 1);
+        linear_case(520, 2048, false, rows_list[i]); /* 8 chunks of 256 */
+    linear_case(264, 6144, false, 1);                 /* 8 of 768 */
+    linear_case(264, 6144, false, 16);
+    linear_case(6144, 3072, false, 5);                /* 4 of 768: M3's down widths */
+    linear_case(6144, 3072, false, 64);
+    linear_case(264, 1024, true, 1);                  /* MXFP8, 4 of 256 */
     linear_case(264, 1024, true, 5);
     linear_case(264, 1024, true, 40);
-    linear_case(72, 200, false, 3); /* chunks of 25 columns: the scalar kernel */
+    linear_case(72, 240, false, 3);                   /* 2 of 120: chunks staged one by one */
+    linear_case(72, 240, false, 40);
 }
 
 /* ------------------------------------------------------------ MoE */
@@ -322,17 +339,18 @@ static void moe_rank(const moe_shape *m, const moe_host *h, m3_config *cfg, int 
     lw.router = m3_tensor_make(M3_DT_F32, 2, ne, h->router);
     lw.router_bias = m3_tensor_make(M3_DT_F32, 1, neb, h->bias);
     int64_t iw = m->I / W, sw = m->Is / W;
-    int kc = W > 1 ? M3_K_CHUNKS / W : 0, nc = kc;
+    /* the downs are row-parallel: their share of the full widths' chunks */
+    int kc = m3_k_chunks(m->I) / W, kcs = m3_k_chunks(m->Is) / W;
     m3_linear *ex = gpu_xmalloc(sizeof(m3_linear) * 3 * (size_t)m->E);
     lw.exp_gate = ex, lw.exp_up = ex + m->E, lw.exp_down = ex + 2 * m->E;
     for (int e = 0; e < m->E; e++) {
-        lw.exp_gate[e] = slice_host(&h->gate[e], r * iw, iw, 0, m->H, 0, nc);
-        lw.exp_up[e] = slice_host(&h->up[e], r * iw, iw, 0, m->H, 0, nc);
-        lw.exp_down[e] = slice_host(&h->down[e], 0, m->H, r * iw, iw, kc, 0);
+        lw.exp_gate[e] = slice_host(&h->gate[e], r * iw, iw, 0, m->H, 0);
+        lw.exp_up[e] = slice_host(&h->up[e], r * iw, iw, 0, m->H, 0);
+        lw.exp_down[e] = slice_host(&h->down[e], 0, m->H, r * iw, iw, kc);
     }
-    lw.sh_gate = slice_host(&h->sh_gate, r * sw, sw, 0, m->H, 0, nc);
-    lw.sh_up = slice_host(&h->sh_up, r * sw, sw, 0, m->H, 0, nc);
-    lw.sh_down = slice_host(&h->sh_down, 0, m->H, r * sw, sw, kc, 0);
+    lw.sh_gate = slice_host(&h->sh_gate, r * sw, sw, 0, m->H, 0);
+    lw.sh_up = slice_host(&h->sh_up, r * sw, sw, 0, m->H, 0);
+    lw.sh_down = slice_host(&h->sh_down, 0, m->H, r * sw, sw, kcs);
     memset(cfg, 0, sizeof *cfg);
     cfg->num_layers = 1;
     cfg->num_experts = m->E;
@@ -439,7 +457,8 @@ static void moe_case(const moe_shape *m, int rows) {
 }
 
 static void test_moe(void) {
-    moe_shape bf = {8, 2, 512, 256, 256, false}, f8 = {8, 2, 512, 256, 256, true};
+    /* widths of 4 chunks of 256 (m3_k_chunks): worlds 2 and 4 */
+    moe_shape bf = {8, 2, 512, 1024, 1024, false}, f8 = {8, 2, 512, 1024, 1024, true};
     static const int rows_list[] = {1, 3, 16, 40};
     for (size_t i = 0; i < sizeof rows_list / sizeof *rows_list; i++)
         moe_case(&bf, rows_list[i]);
