@@ -38,7 +38,7 @@ m3_status m3_cuda_moe_unique_experts(m3_backend *be, int *n) {
 }
 
 m3_status m3_cuda_bench_linear(m3_backend *be, int rows, int64_t n, int64_t k, int iters,
-                               double *gemv_us, double *cublas_us) {
+                               double *gemv_us, double *cublas_us, double *one_gemm_us) {
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 

@@ -217,9 +217,10 @@ static int bench_linear(int argc, char **argv) {
     if (st)
         return cli_report("bench", st);
     /* "linear op": what the engine runs for a column-parallel weight (the
-     * GEMV to 16 rows, then one cuBLAS GEMM); "cuBLAS pieces": a
-     * row-parallel weight's GEMM (K cut into its chunks, then the tree), at
-     * any row count; "one GEMM": a single cuBLAS call, what the pieces cost */
+     * GEMV to 16 rows, then cuBLAS on its 8 row blocks, one batched call);
+     * "cuBLAS pieces": a row-parallel weight's GEMM (K cut into its chunks,
+     * then the tree), at any row count; "one GEMM": a single uncut cuBLAS
+     * call, what the cuts cost */
     printf("| N x K | rows | MB | linear op us (GB/s) | cuBLAS pieces us (GB/s) | one GEMM us "
            "(GB/s) | faster |\n");
     printf("|---|---|---|---|---|---|---|\n");

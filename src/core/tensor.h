@@ -53,6 +53,11 @@ typedef struct m3_linear {
      * weight whose K is never split over ranks. The CPU ignores it (its
      * partials are fp64). */
     int k_chunks;
+    /* A column-parallel weight (q/k/v, the index query, gate/up, lm_head):
+     * how many of the full weight's M3_K_CHUNKS row blocks this N holds;
+     * prefill's GEMM is issued per block, the same shape on every world
+     * (cuBLAS's sums depend on N). 0: one GEMM. */
+    int n_chunks;
 } m3_linear;
 
 /* The chunks of a full K: the most (8, 4, 2) whose length is a multiple of

@@ -157,6 +157,7 @@ static m3_status upload_experts(upload_pass *u, int E, const m3_linear *host, m3
     for (int e = 0; e < E; e++) {
         M3_TRY(upload_tensor(u, &host[e].w, &dev[e].w));
         dev[e].k_chunks = host[e].k_chunks;
+        dev[e].n_chunks = host[e].n_chunks;
     }
     for (int e = 0; e < E; e++)
         M3_TRY(upload_tensor(u, &host[e].scale, &dev[e].scale));

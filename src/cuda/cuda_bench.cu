@@ -180,7 +180,8 @@ extern "C" m3_status m3_cuda_bench_linear(m3_backend *be, int rows, int64_t n, i
     };
     if (!st)
         st = time_median(cu, iters, [&](int i) {
-            m3_linear l = view(i);
+            m3_linear l = view(i); /* as a column-parallel weight */
+            l.n_chunks = n % M3_K_CHUNKS == 0 ? M3_K_CHUNKS : 0;
             return m3_cuda_linear(be, rows, x, &l, M3_DT_BF16, out);
         }, gemv_us);
     if (!st) /* a row-parallel weight: K cut into its chunks, then the tree */
@@ -189,7 +190,7 @@ extern "C" m3_status m3_cuda_bench_linear(m3_backend *be, int rows, int64_t n, i
             l.k_chunks = m3_k_chunks(k);
             return m3_cuda_linear_cublas(cu, rows, x, &l, M3_DT_BF16, out);
         }, cublas_us);
-    if (!st) /* one GEMM */
+    if (!st) /* one GEMM, uncut */
         st = time_median(cu, iters, [&](int i) {
             m3_linear l = view(i);
             return m3_cuda_linear_cublas(cu, rows, x, &l, M3_DT_BF16, out);

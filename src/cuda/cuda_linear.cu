@@ -195,31 +195,34 @@ __global__ void cublas_finish_kernel(const float *__restrict__ part, int kch, in
 /* Rows per cuBLAS pass: fixed, so a pass's shapes never depend on the world. */
 #define CUBLAS_ROWS 1024
 
-/* out[m, N] (or, batched over `batch` chunks of kc columns, part [batch, m,
- * N] fp32) = x[m, kc] w[N, kc]^T: one cuBLAS call. */
-static m3_status gemm(m3_cuda *cu, int m, const uint16_t *x, int64_t K, const m3_linear *w,
-                      int kc, int batch, cudaDataType out_t, void *out) {
+/* `batch` products out_b[m, nb] = x_b[m, kc] w_b[nb, kc]^T, one cuBLAS call:
+ * w_b = w + b * w_step elements (w's rows are its own stride apart), x_b =
+ * x + b * x_step (rows K apart), out_b = out + b * o_step (rows ldo apart). */
+static m3_status gemm(m3_cuda *cu, int m, int64_t nb, int kc, int batch, const m3_linear *w,
+                      int64_t w_step, const uint16_t *x, int64_t K, int64_t x_step,
+                      cudaDataType out_t, void *out, int64_t ldo, int64_t o_step) {
     float alpha = 1.0f, beta = 0.0f;
-    int64_t N = w->w.ne[0];
     int lda = (int)(w->w.nb[0] / 2);
-    /* row-major out[m,N] = x[m,kc] w[N,kc]^T is column-major out^T = w x^T */
+    /* row-major out[m,nb] = x[m,kc] w[nb,kc]^T is column-major out^T = w x^T */
     cublasStatus_t s = cublasGemmStridedBatchedEx(
-        cu->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, m, kc, &alpha, w->w.data, CUDA_R_16BF, lda,
-        kc, x, CUDA_R_16BF, (int)K, kc, &beta, out, out_t, (int)N, (int64_t)m * N, batch,
+        cu->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)nb, m, kc, &alpha, w->w.data, CUDA_R_16BF,
+        lda, w_step, x, CUDA_R_16BF, (int)K, x_step, &beta, out, out_t, (int)ldo, o_step, batch,
         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (s != CUBLAS_STATUS_SUCCESS)
         return m3_fail(M3_ERR_DEVICE, "cuBLAS GEMM [%d x %lld x %d] x %d of %s failed: status %d",
-                       m, (long long)N, kc, batch, w->w.name ? w->w.name : "a linear", (int)s);
+                       m, (long long)nb, kc, batch, w->w.name ? w->w.name : "a linear", (int)s);
     return M3_OK;
 }
 
-/* Prefill's GEMM (bf16 weights, more than 16 rows), 1024 rows per pass. A
- * row-parallel weight's K is cut into its chunks (cuda_ksum.cuh): one
- * batched call gives each chunk's fp32 sums, combined as the tree, so a
- * TP rank's partial is a subtree of TP 1's. Other weights hold the full K
- * on every rank: one GEMM (a TP rank's differs from TP 1's only in N, and
- * cuBLAS's sums of an output do not depend on N: test_cuda_worlds checks
- * both). */
+/* Prefill's GEMM (bf16 weights, more than 16 rows), 1024 rows per pass,
+ * cut so no world changes a sum (test_cuda_worlds checks both cuts):
+ *   - a row-parallel weight's K into its chunks (cuda_ksum.cuh): one
+ *     batched call gives each chunk's fp32 sums, combined as the tree, so a
+ *     TP rank's partial is a subtree of TP 1's;
+ *   - a column-parallel weight's N into its row blocks of the full N: one
+ *     batched call of blocks of the same shape on every world (cuBLAS picks
+ *     its kernel, and with it a sum's order, by the shape, N included).
+ * Other weights: one GEMM. */
 extern "C" m3_status m3_cuda_linear_cublas(m3_cuda *cu, int rows, const uint16_t *x,
                                             const m3_linear *w, m3_dtype out_dtype, void *out) {
     int64_t N = w->w.ne[0], K = w->w.ne[1];
@@ -240,10 +243,13 @@ extern "C" m3_status m3_cuda_linear_cublas(m3_cuda *cu, int rows, const uint16_t
         const uint16_t *xr = x + (int64_t)r0 * K;
         char *o = static_cast<char *>(out) + (size_t)r0 * N * out_size;
         if (kch == 1) {
-            M3_TRY(gemm(cu, m, xr, K, w, kc, 1, out_f32 ? CUDA_R_32F : CUDA_R_16BF, o));
+            int nch = w->n_chunks > 0 && N % w->n_chunks == 0 ? w->n_chunks : 1;
+            int64_t nb = N / nch;
+            M3_TRY(gemm(cu, m, nb, kc, nch, w, nb * (w->w.nb[0] / 2), xr, K, 0,
+                        out_f32 ? CUDA_R_32F : CUDA_R_16BF, o, N, nb));
             continue;
         }
-        M3_TRY(gemm(cu, m, xr, K, w, kc, kch, CUDA_R_32F, part));
+        M3_TRY(gemm(cu, m, N, kc, kch, w, kc, xr, K, kc, CUDA_R_32F, part, N, (int64_t)m * N));
         int64_t n = (int64_t)m * N;
         cublas_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
             part, kch, m, N, out_f32, o, N);

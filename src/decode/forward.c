@@ -117,7 +117,10 @@ static m3_status final_logits(m3_engine *eng, int n_out) {
     M3_TRY(op->gather_rows(be, n_out, s->out_rows, H, s->residual, s->out_residual));
     M3_TRY(op->add_rmsnorm(be, n_out, H, s->out_hidden, s->out_residual, &eng->w.norm,
                            c->rms_norm_eps, s->final));
-    m3_linear head = {eng->w.lm_head, {0}, 0};
+    /* vocab-parallel: this rank's share of the full lm_head's row blocks */
+    int tp = eng->tp_size;
+    bool blocks = eng->vocab_full % M3_K_CHUNKS == 0 && M3_K_CHUNKS % tp == 0;
+    m3_linear head = {eng->w.lm_head, {0}, 0, blocks ? M3_K_CHUNKS / tp : 0};
     return op->linear(be, n_out, s->final, &head, M3_DT_F32, s->logits);
 }
 

@@ -293,14 +293,26 @@ static void mark_row_parallel(m3_linear *l) {
         l->k_chunks = m3_k_chunks(l->w.ne[1]);
 }
 
+/* The column-parallel weights (whose rows a TP shard splits): prefill's
+ * GEMM runs on M3_K_CHUNKS row blocks of the full N at every world. */
+static void mark_column_parallel(m3_linear *l) {
+    if (l->w.data && l->w.ne[0] % M3_K_CHUNKS == 0)
+        l->n_chunks = M3_K_CHUNKS;
+}
+
 static m3_status bind_layer(const binder *b, m3_layer_weights *lw, const m3_config *c) {
     char s[NAME_CAP], s2[NAME_CAP], s3[NAME_CAP];
     int i = lw->index;
     M3_TRY(bind_attention(b, lw, c));
     mark_row_parallel(&lw->o_proj);
+    m3_linear *cols[] = {&lw->q_proj, &lw->k_proj, &lw->v_proj, &lw->iq_proj};
+    for (size_t j = 0; j < sizeof cols / sizeof *cols; j++)
+        mark_column_parallel(cols[j]);
     if (lw->moe) {
         M3_TRY(bind_moe(b, lw, c));
         mark_row_parallel(&lw->sh_down);
+        mark_column_parallel(&lw->sh_gate);
+        mark_column_parallel(&lw->sh_up);
         for (int e = 0; lw->exp_down && e < c->num_experts; e++)
             mark_row_parallel(&lw->exp_down[e]);
         return M3_OK;
@@ -312,6 +324,8 @@ static m3_status bind_layer(const binder *b, m3_layer_weights *lw, const m3_conf
     snprintf(s, sizeof s, "layers.%d.mlp.down_proj", i);
     M3_TRY(bind_linear(b, s, c->hidden_size, c->dense_dim, &lw->mlp_down));
     mark_row_parallel(&lw->mlp_down);
+    mark_column_parallel(&lw->mlp_gate);
+    mark_column_parallel(&lw->mlp_up);
     return M3_OK;
 }
 

@@ -89,7 +89,13 @@ static m3_linear cols_view(const m3_linear *l, int64_t first, int64_t count) {
 }
 
 static m3_linear rows_view(const m3_linear *l, int64_t first, int64_t count) {
-    return l->w.data ? m3_linear_rows_view(l, first, count) : *l;
+    if (!l->w.data)
+        return *l;
+    /* a column-parallel slice: its share of the full weight's row blocks */
+    m3_linear v = m3_linear_rows_view(l, first, count);
+    int64_t tp = count > 0 && l->w.ne[0] % count == 0 ? l->w.ne[0] / count : 0;
+    v.n_chunks = tp > 0 && l->n_chunks % tp == 0 ? (int)(l->n_chunks / tp) : 0;
+    return v;
 }
 
 /* gate/up rows and down columns [rank * w, (rank + 1) * w) of one FFN */

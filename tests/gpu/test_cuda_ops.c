@@ -508,7 +508,7 @@ static uint8_t rand_e4m3(void) {
 /* A host [N, K] linear, bf16 (values of amp) or MXFP8 (scales 2^-7..2^-5). */
 static m3_linear make_linear(int64_t N, int64_t K, bool fp8, float amp) {
     int64_t ne[2] = {N, K}, nes[2] = {N, K / 32};
-    m3_linear l = {{0}, {0}, 0};
+    m3_linear l = {{0}, {0}, 0, 0};
     if (!fp8) {
         l.w = m3_tensor_make(M3_DT_BF16, 2, ne, rand_bf16(N * K, amp));
         return l;

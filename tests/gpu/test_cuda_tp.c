@@ -612,20 +612,20 @@ static int model_mode(const char *dir, int world, uint64_t *rng) {
         c->prompt[i] = (int32_t)(gpu_rng_next(rng) % (uint64_t)c->V);
     /* each path against the same path on one GPU: stock (and stock with
      * indexer CP) against stock TP 1, mono against mono TP 1 */
-    const char *names[3] = {"stock", "mono", "stock+CP"};
+    const char *names[3] = {"stock", "stock+CP", "mono"};
     for (int k = 0; k < 3; k++) {
         m3_engine *e = NULL;
-        m3_decode_path path = k == 1 ? M3_DECODE_MONO : M3_DECODE_STOCK;
-        if (k < 2) {
+        m3_decode_path path = k == 2 ? M3_DECODE_MONO : M3_DECODE_STOCK;
+        if (k != 1) { /* stock+CP shares stock's reference */
             m3_engine_free(c->cpu);
             c->cpu = NULL;
             ref.n = 0;
-            c->ref_name = k == 1 ? "CUDA TP 1 mono" : "CUDA TP 1";
+            c->ref_name = k == 2 ? "CUDA TP 1 mono" : "CUDA TP 1";
             if (!ok(c, t, make_engine(c, M3_DEVICE_CUDA, 1, path, &c->cpu), c->ref_name) ||
                 !ok(c, t, gpu_generate(c->cpu, c->prompt, 300, &ref), "TP 1 generation"))
                 break;
         }
-        if (!ok(c, t, make_engine_cp(c, M3_DEVICE_CUDA, world, path, k == 2, &e), names[k]))
+        if (!ok(c, t, make_engine_cp(c, M3_DEVICE_CUDA, world, path, k == 1, &e), names[k]))
             continue;
         c->observed_abs = 0;
         teacher_forced(c, e, names[k]);
@@ -634,7 +634,7 @@ static int model_mode(const char *dir, int world, uint64_t *rng) {
         got.n = 0;
         if (ok(c, test, gpu_generate(e, c->prompt, 300, &got), names[k]))
             tokens_verdict(c, test, &got, &ref);
-        if (k == 1)
+        if (k == 2)
             ran_mono(c, e);
         m3_engine_free(e);
     }

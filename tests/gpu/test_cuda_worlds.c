@@ -148,14 +148,14 @@ static host_linear make_weight(int64_t N, int64_t K, bool fp8, float amp) {
 /* Rows [n0, n0 + n) and columns [k0, k0 + k) of h, dense, as a host
  * linear with the given chunk counts (free with free_host). */
 static m3_linear slice_host(const host_linear *h, int64_t n0, int64_t n, int64_t k0, int64_t k,
-                            int k_chunks) {
+                            int k_chunks, int n_chunks) {
     size_t es = h->fp8 ? 1 : 2;
     uint8_t *w = gpu_xmalloc((size_t)(n * k) * es);
     for (int64_t r = 0; r < n; r++)
         memcpy(w + (size_t)(r * k) * es, h->w + (size_t)((n0 + r) * h->K + k0) * es,
                (size_t)k * es);
     int64_t ne[2] = {n, k}, nes[2] = {n, k / 32};
-    m3_linear l = {{0}, {0}, k_chunks};
+    m3_linear l = {{0}, {0}, k_chunks, n_chunks};
     l.w = m3_tensor_make(h->fp8 ? M3_DT_F8_E4M3 : M3_DT_BF16, 2, ne, w);
     if (h->fp8) {
         uint8_t *s = gpu_xmalloc((size_t)(n * k / 32));
@@ -177,8 +177,8 @@ static size_t bytes_of(const m3_tensor *t) {
 
 /* slice_host's linear on the device. */
 static m3_linear slice_to_gpu(const host_linear *h, int64_t n0, int64_t n, int64_t k0, int64_t k,
-                              int k_chunks) {
-    m3_linear l = slice_host(h, n0, n, k0, k, k_chunks), d = l;
+                              int k_chunks, int n_chunks) {
+    m3_linear l = slice_host(h, n0, n, k0, k, k_chunks, n_chunks), d = l;
     d.w.data = dev_put(l.w.data, bytes_of(&l.w));
     if (l.scale.data)
         d.scale.data = dev_put(l.scale.data, bytes_of(&l.scale));
@@ -211,7 +211,7 @@ static void row_parallel(const host_linear *h, const uint16_t *x, int rows, cons
     int kch = m3_k_chunks(K);
     float *parts = gpu_xmalloc((size_t)W * n * 4);
     for (int r = 0; r < W; r++) {
-        m3_linear l = slice_to_gpu(h, 0, N, r * kw, kw, kch / W);
+        m3_linear l = slice_to_gpu(h, 0, N, r * kw, kw, kch / W, 0);
         float *p = run_linear(rows, x_cols(x, rows, K, r * kw, kw), &l, M3_DT_F32);
         memcpy(parts + (size_t)r * n, p, (size_t)n * 4);
         free(p);
@@ -241,7 +241,7 @@ static void column_parallel(const host_linear *h, const uint16_t *x, int rows,
     int64_t N = h->N, K = h->K, nw = N / W, bad = 0;
     uint16_t *xd = dev_put(x, (size_t)(rows * K) * 2);
     for (int r = 0; r < W; r++) {
-        m3_linear l = slice_to_gpu(h, r * nw, nw, 0, K, 0);
+        m3_linear l = slice_to_gpu(h, r * nw, nw, 0, K, 0, M3_K_CHUNKS / W);
         uint16_t *o = run_linear(rows, xd, &l, M3_DT_BF16);
         for (int t = 0; t < rows; t++)
             for (int64_t j = 0; j < nw; j++)
@@ -262,15 +262,16 @@ static void linear_case(int64_t N, int64_t K, bool fp8, int rows) {
     uint16_t *xd = dev_put(x, (size_t)(rows * K) * 2);
     int kch = m3_k_chunks(K);
     /* TP 1 as a row-parallel weight (model.c marks o_proj and the downs
-     * so) and as any other weight */
-    m3_linear row = slice_to_gpu(&h, 0, N, 0, K, kch), col = slice_to_gpu(&h, 0, N, 0, K, 0);
+     * so) and as a column-parallel one (q/k/v, gate/up) */
+    m3_linear row = slice_to_gpu(&h, 0, N, 0, K, kch, 0);
+    m3_linear col = slice_to_gpu(&h, 0, N, 0, K, 0, N % M3_K_CHUNKS ? 0 : M3_K_CHUNKS);
     float *ref32 = run_linear(rows, xd, &row, M3_DT_F32);
     uint16_t *ref16 = run_linear(rows, xd, &row, M3_DT_BF16);
     uint16_t *col16 = run_linear(rows, xd, &col, M3_DT_BF16);
     for (int W = 2; W <= 8; W *= 2) {
         if (kch % W == 0 && (!fp8 || (K / W) % 32 == 0))
             row_parallel(&h, x, rows, ref32, ref16, W);
-        if (N % W == 0)
+        if (N % M3_K_CHUNKS == 0)
             column_parallel(&h, x, rows, col16, W);
     }
     free(ref32), free(ref16), free(col16), free(x), free(h.w), free(h.s);
@@ -290,6 +291,8 @@ static void test_linear(void) {
     linear_case(264, 1024, true, 40);
     linear_case(72, 240, false, 3);                   /* 2 of 120: chunks staged one by one */
     linear_case(72, 240, false, 40);
+    linear_case(2048, 6144, false, 300);              /* q_proj's width at prefill */
+    linear_case(128, 6144, false, 700);               /* a KV head's */
 }
 
 /* ------------------------------------------------------------ MoE */
@@ -344,13 +347,13 @@ static void moe_rank(const moe_shape *m, const moe_host *h, m3_config *cfg, int 
     m3_linear *ex = gpu_xmalloc(sizeof(m3_linear) * 3 * (size_t)m->E);
     lw.exp_gate = ex, lw.exp_up = ex + m->E, lw.exp_down = ex + 2 * m->E;
     for (int e = 0; e < m->E; e++) {
-        lw.exp_gate[e] = slice_host(&h->gate[e], r * iw, iw, 0, m->H, 0);
-        lw.exp_up[e] = slice_host(&h->up[e], r * iw, iw, 0, m->H, 0);
-        lw.exp_down[e] = slice_host(&h->down[e], 0, m->H, r * iw, iw, kc);
+        lw.exp_gate[e] = slice_host(&h->gate[e], r * iw, iw, 0, m->H, 0, 0);
+        lw.exp_up[e] = slice_host(&h->up[e], r * iw, iw, 0, m->H, 0, 0);
+        lw.exp_down[e] = slice_host(&h->down[e], 0, m->H, r * iw, iw, kc, 0);
     }
-    lw.sh_gate = slice_host(&h->sh_gate, r * sw, sw, 0, m->H, 0);
-    lw.sh_up = slice_host(&h->sh_up, r * sw, sw, 0, m->H, 0);
-    lw.sh_down = slice_host(&h->sh_down, 0, m->H, r * sw, sw, kcs);
+    lw.sh_gate = slice_host(&h->sh_gate, r * sw, sw, 0, m->H, 0, M3_K_CHUNKS / W);
+    lw.sh_up = slice_host(&h->sh_up, r * sw, sw, 0, m->H, 0, M3_K_CHUNKS / W);
+    lw.sh_down = slice_host(&h->sh_down, 0, m->H, r * sw, sw, kcs, 0);
     memset(cfg, 0, sizeof *cfg);
     cfg->num_layers = 1;
     cfg->num_experts = m->E;

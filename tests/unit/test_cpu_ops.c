@@ -222,13 +222,13 @@ static m3_tensor vec_bf16(uint16_t *data, int64_t n) {
 }
 static m3_linear lin_bf16(uint16_t *w, int64_t N, int64_t K) {
     int64_t ne[2] = {N, K};
-    m3_linear l = {m3_tensor_make(M3_DT_BF16, 2, ne, w), {0}, 0};
+    m3_linear l = {m3_tensor_make(M3_DT_BF16, 2, ne, w), {0}, 0, 0};
     return l;
 }
 static m3_linear lin_mxfp8(uint8_t *q, uint8_t *s, int64_t N, int64_t K) {
     int64_t ne[2] = {N, K}, nes[2] = {N, K / 32};
     m3_linear l = {m3_tensor_make(M3_DT_F8_E4M3, 2, ne, q), m3_tensor_make(M3_DT_U8, 2, nes, s),
-                   0};
+                   0, 0};
     return l;
 }
 
@@ -1541,7 +1541,7 @@ static void moe_fx_bind(moe_fx *f, m3_linear *g, m3_linear *u, m3_linear *d, boo
         d[e] = f->lin[3 * e + 2];
     }
     f->lw.exp_gate = g, f->lw.exp_up = u, f->lw.exp_down = d;
-    m3_linear none = {{0}, {0}, 0};
+    m3_linear none = {{0}, {0}, 0, 0};
     f->lw.sh_gate = shared ? f->lin[3 * f->E] : none;
     f->lw.sh_up = shared ? f->lin[3 * f->E + 1] : none;
     f->lw.sh_down = shared ? f->lin[3 * f->E + 2] : none;
@@ -1627,7 +1627,7 @@ static void moe_tiny(void) {
     float r0[6] = {0}, b2[3] = {0.2f, 0.2f, 0.1f};
     lw.router = m3_tensor_make(M3_DT_F32, 2, ne, r0);
     lw.router_bias = m3_tensor_make(M3_DT_F32, 1, neb, b2);
-    m3_linear none = {{0}, {0}, 0};
+    m3_linear none = {{0}, {0}, 0, 0};
     lw.sh_gate = lw.sh_up = lw.sh_down = none;
     m3_moe_params p1 = {3, 1, 1.0f, {0.0f, 7.0f}, NULL};
     fill16(out, 2, BF16_NAN);
