@@ -217,7 +217,7 @@ static int bench_linear(int argc, char **argv) {
     if (st)
         return cli_report("bench", st);
     /* "linear op": what the engine runs for a column-parallel weight (the
-     * GEMV to 16 rows, then cuBLAS on its 8 row blocks, one batched call);
+     * GEMV to 16 rows, then cuBLAS on its 16 row blocks, one batched call);
      * "cuBLAS pieces": a row-parallel weight's GEMM (K cut into its chunks,
      * then the tree), at any row count; "one GEMM": a single uncut cuBLAS
      * call, what the cuts cost */

@@ -43,6 +43,7 @@ typedef struct m3_tensor {
  * fixed chunks, each summed by the same code, combined as a pairwise tree,
  * so a row-parallel rank's partial is a subtree of TP 1's sum. */
 #define M3_K_CHUNKS 8
+#define M3_N_BLOCKS 16
 
 typedef struct m3_linear {
     m3_tensor w;     /* [N, K] bf16 or f8_e4m3 */
@@ -54,9 +55,10 @@ typedef struct m3_linear {
      * partials are fp64). */
     int k_chunks;
     /* A column-parallel weight (q/k/v, the index query, gate/up, lm_head):
-     * how many of the full weight's M3_K_CHUNKS row blocks this N holds;
+     * how many of the full weight's M3_N_BLOCKS row blocks this N holds;
      * prefill's GEMM is issued per block, the same shape on every world
-     * (cuBLAS's sums depend on N). 0: one GEMM. */
+     * (cuBLAS's sums depend on N, and on whether a call is batched at
+     * all: 16 blocks keep TP 8's batch at 2). 0: one GEMM. */
     int n_chunks;
 } m3_linear;
 

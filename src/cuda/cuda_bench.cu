@@ -181,7 +181,7 @@ extern "C" m3_status m3_cuda_bench_linear(m3_backend *be, int rows, int64_t n, i
     if (!st)
         st = time_median(cu, iters, [&](int i) {
             m3_linear l = view(i); /* as a column-parallel weight */
-            l.n_chunks = n % M3_K_CHUNKS == 0 ? M3_K_CHUNKS : 0;
+            l.n_chunks = n % M3_N_BLOCKS == 0 ? M3_N_BLOCKS : 0;
             return m3_cuda_linear(be, rows, x, &l, M3_DT_BF16, out);
         }, gemv_us);
     if (!st) /* a row-parallel weight: K cut into its chunks, then the tree */

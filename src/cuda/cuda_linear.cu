@@ -18,7 +18,7 @@
  * GEMV_R output rows: chunks [blockIdx.y * group, + group) of n_chunks
  * over K, summed as cuda_ksum.cuh's tree. */
 template <int T, bool FP8, bool OUT_F32>
-__global__ void __launch_bounds__(GEMV_THREADS)
+__global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS(T))
     linear_gemv_kernel(gemv_weight W, const uint16_t *__restrict__ x, int rows, int K, int64_t N,
                        int n_chunks, int group, void *__restrict__ out, float *__restrict__ part) {
     extern __shared__ uint4 smem_x[];
@@ -85,12 +85,13 @@ static int k_splits(const m3_cuda *cu, int64_t n_tiles, int K) {
 
 /* CTAs over K for the bf16 GEMV: groups of whole chunks, a power of two
  * dividing n_chunks (so each group is a subtree), enough that a narrow
- * weight still puts about two CTAs on every multiprocessor. Any choice
- * gives the same bits. */
+ * weight still puts about two CTAs on every multiprocessor (90% of that
+ * will do: fewer, longer groups keep 1,024-column pieces whole). Any
+ * choice gives the same bits. */
 static int chunk_groups(const m3_cuda *cu, int64_t n_tiles, int n_chunks) {
     int64_t want = 2 * (int64_t)cu->sm_count;
     int g = 1;
-    while (g < n_chunks && n_chunks % (2 * g) == 0 && n_tiles * g < want)
+    while (g < n_chunks && n_chunks % (2 * g) == 0 && n_tiles * g * 10 < want * 9)
         g *= 2;
     return g;
 }

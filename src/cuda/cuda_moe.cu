@@ -181,7 +181,7 @@ __device__ __forceinline__ float down_load(const float *p) { return m3_round_bf(
  * its share of the full width's chunks: its fp32 partial is a subtree of
  * TP 1's sum). */
 template <int T, bool FP8, typename Out>
-__global__ void __launch_bounds__(GEMV_THREADS)
+__global__ void __launch_bounds__(GEMV_THREADS, (T) <= 2 ? 3 : 2)
     moe_down_kernel(expert_weights down, const uint16_t *__restrict__ act, int H, int I,
                     int n_chunks, const int32_t *__restrict__ uniq,
                     const int32_t *__restrict__ first, const int32_t *__restrict__ members,

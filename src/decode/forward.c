@@ -119,8 +119,8 @@ static m3_status final_logits(m3_engine *eng, int n_out) {
                            c->rms_norm_eps, s->final));
     /* vocab-parallel: this rank's share of the full lm_head's row blocks */
     int tp = eng->tp_size;
-    bool blocks = eng->vocab_full % M3_K_CHUNKS == 0 && M3_K_CHUNKS % tp == 0;
-    m3_linear head = {eng->w.lm_head, {0}, 0, blocks ? M3_K_CHUNKS / tp : 0};
+    bool blocks = eng->vocab_full % M3_N_BLOCKS == 0 && M3_N_BLOCKS % tp == 0;
+    m3_linear head = {eng->w.lm_head, {0}, 0, blocks ? M3_N_BLOCKS / tp : 0};
     return op->linear(be, n_out, s->final, &head, M3_DT_F32, s->logits);
 }
 

@@ -294,10 +294,10 @@ static void mark_row_parallel(m3_linear *l) {
 }
 
 /* The column-parallel weights (whose rows a TP shard splits): prefill's
- * GEMM runs on M3_K_CHUNKS row blocks of the full N at every world. */
+ * GEMM runs on M3_N_BLOCKS row blocks of the full N at every world. */
 static void mark_column_parallel(m3_linear *l) {
-    if (l->w.data && l->w.ne[0] % M3_K_CHUNKS == 0)
-        l->n_chunks = M3_K_CHUNKS;
+    if (l->w.data && l->w.ne[0] % M3_N_BLOCKS == 0)
+        l->n_chunks = M3_N_BLOCKS;
 }
 
 static m3_status bind_layer(const binder *b, m3_layer_weights *lw, const m3_config *c) {

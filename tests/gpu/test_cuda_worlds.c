@@ -241,7 +241,7 @@ static void column_parallel(const host_linear *h, const uint16_t *x, int rows,
     int64_t N = h->N, K = h->K, nw = N / W, bad = 0;
     uint16_t *xd = dev_put(x, (size_t)(rows * K) * 2);
     for (int r = 0; r < W; r++) {
-        m3_linear l = slice_to_gpu(h, r * nw, nw, 0, K, 0, M3_K_CHUNKS / W);
+        m3_linear l = slice_to_gpu(h, r * nw, nw, 0, K, 0, M3_N_BLOCKS / W);
         uint16_t *o = run_linear(rows, xd, &l, M3_DT_BF16);
         for (int t = 0; t < rows; t++)
             for (int64_t j = 0; j < nw; j++)
@@ -264,14 +264,14 @@ static void linear_case(int64_t N, int64_t K, bool fp8, int rows) {
     /* TP 1 as a row-parallel weight (model.c marks o_proj and the downs
      * so) and as a column-parallel one (q/k/v, gate/up) */
     m3_linear row = slice_to_gpu(&h, 0, N, 0, K, kch, 0);
-    m3_linear col = slice_to_gpu(&h, 0, N, 0, K, 0, N % M3_K_CHUNKS ? 0 : M3_K_CHUNKS);
+    m3_linear col = slice_to_gpu(&h, 0, N, 0, K, 0, N % M3_N_BLOCKS ? 0 : M3_N_BLOCKS);
     float *ref32 = run_linear(rows, xd, &row, M3_DT_F32);
     uint16_t *ref16 = run_linear(rows, xd, &row, M3_DT_BF16);
     uint16_t *col16 = run_linear(rows, xd, &col, M3_DT_BF16);
     for (int W = 2; W <= 8; W *= 2) {
         if (kch % W == 0 && (!fp8 || (K / W) % 32 == 0))
             row_parallel(&h, x, rows, ref32, ref16, W);
-        if (N % M3_K_CHUNKS == 0)
+        if (N % M3_N_BLOCKS == 0)
             column_parallel(&h, x, rows, col16, W);
     }
     free(ref32), free(ref16), free(col16), free(x), free(h.w), free(h.s);
@@ -281,16 +281,16 @@ static void linear_case(int64_t N, int64_t K, bool fp8, int rows) {
 static void test_linear(void) {
     static const int rows_list[] = {1, 3, 8, 16, 17, 40, 300};
     for (size_t i = 0; i < sizeof rows_list / sizeof *rows_list; i++)
-        linear_case(520, 2048, false, rows_list[i]); /* 8 chunks of 256 */
-    linear_case(264, 6144, false, 1);                 /* 8 of 768 */
-    linear_case(264, 6144, false, 16);
+        linear_case(528, 2048, false, rows_list[i]); /* 8 chunks of 256 */
+    linear_case(272, 6144, false, 1);                 /* 8 of 768 */
+    linear_case(272, 6144, false, 16);
     linear_case(6144, 3072, false, 5);                /* 4 of 768: M3's down widths */
     linear_case(6144, 3072, false, 64);
-    linear_case(264, 1024, true, 1);                  /* MXFP8, 4 of 256 */
-    linear_case(264, 1024, true, 5);
-    linear_case(264, 1024, true, 40);
-    linear_case(72, 240, false, 3);                   /* 2 of 120: chunks staged one by one */
-    linear_case(72, 240, false, 40);
+    linear_case(272, 1024, true, 1);                  /* MXFP8, 4 of 256 */
+    linear_case(272, 1024, true, 5);
+    linear_case(272, 1024, true, 40);
+    linear_case(80, 240, false, 3);                   /* 2 of 120: chunks staged one by one */
+    linear_case(80, 240, false, 40);
     linear_case(2048, 6144, false, 300);              /* q_proj's width at prefill */
     linear_case(128, 6144, false, 700);               /* a KV head's */
 }
@@ -351,8 +351,8 @@ static void moe_rank(const moe_shape *m, const moe_host *h, m3_config *cfg, int 
         lw.exp_up[e] = slice_host(&h->up[e], r * iw, iw, 0, m->H, 0, 0);
         lw.exp_down[e] = slice_host(&h->down[e], 0, m->H, r * iw, iw, kc, 0);
     }
-    lw.sh_gate = slice_host(&h->sh_gate, r * sw, sw, 0, m->H, 0, M3_K_CHUNKS / W);
-    lw.sh_up = slice_host(&h->sh_up, r * sw, sw, 0, m->H, 0, M3_K_CHUNKS / W);
+    lw.sh_gate = slice_host(&h->sh_gate, r * sw, sw, 0, m->H, 0, M3_N_BLOCKS / W);
+    lw.sh_up = slice_host(&h->sh_up, r * sw, sw, 0, m->H, 0, M3_N_BLOCKS / W);
     lw.sh_down = slice_host(&h->sh_down, 0, m->H, r * sw, sw, kcs, 0);
     memset(cfg, 0, sizeof *cfg);
     cfg->num_layers = 1;
