@@ -26,11 +26,12 @@
 #define GEMV_KC 1024  /* K elements staged in shared memory per chunk */
 #define GEMV_U (GEMV_KC / 256) /* 16-byte loads per lane per chunk and row */
 #define GEMV_MAX_T 16
-/* CTAs per SM the register budget must allow, by row bucket: the decode
- * GEMV's bandwidth comes from loads in flight, so few rows keep the
- * occupancy they had before the chunk tree's reductions took registers
- * (docs/PERF.md, seventh session) */
-#define GEMV_MIN_CTAS(T) ((T) <= 1 ? 4 : (T) <= 4 ? 3 : (T) <= 8 ? 2 : 1)
+/* CTAs per SM the register budget must allow, by row bucket (0: no
+ * bound): the decode GEMV's bandwidth comes from loads in flight, so 1-4
+ * rows keep the occupancy they had before the chunk tree's reductions
+ * took registers; 8-16 rows fit 2 CTAs unbounded, and a bound of 2 there
+ * spills (docs/PERF.md, seventh session) */
+#define GEMV_MIN_CTAS(T) ((T) <= 1 ? 4 : (T) <= 4 ? 3 : 0)
 
 /* A weight matrix [N, K] on the device: bf16, or e4m3 + u8 scales. */
 struct gemv_weight {
