@@ -4,7 +4,8 @@
  * `tp_agree` MIN over ranks for decisions, all-gathers for the indexer's
  * context parallelism). World 1 is the trivial communicator; ranks as
  * threads (CPU) and as GPUs (NCCL, peer memory) implement the same table.
- * Reductions sum in rank order so every rank gets bit-identical results.
+ * Reductions sum in a fixed order (CPU: rank order; GPUs: a pairwise tree
+ * over rank ids) so every rank gets bit-identical results.
  */
 #ifndef M3_DIST_COMM_H
 #define M3_DIST_COMM_H
@@ -16,11 +17,11 @@
 typedef struct m3_comm m3_comm;
 
 typedef struct m3_comm_ops {
-    /* buf [n] fp32 (backend memory) <- sum over ranks, in rank order */
+    /* buf [n] fp32 (backend memory) <- sum over ranks, in a fixed order */
     m3_status (*all_reduce_sum_f32)(m3_comm *c, float *buf, int64_t n);
-    /* buf [n] fp64 <- sum over ranks, in rank order (CPU TP partials) */
+    /* buf [n] fp64 <- sum over ranks, in a fixed order (CPU TP partials) */
     m3_status (*all_reduce_sum_f64)(m3_comm *c, double *buf, int64_t n);
-    /* buf [n] bf16 <- sum over ranks in fp32, in rank order, rounded once */
+    /* buf [n] bf16 <- sum over ranks in fp32, in a fixed order, rounded once */
     m3_status (*all_reduce_sum_bf16)(m3_comm *c, uint16_t *buf, int64_t n);
     /* out [world * n] <- every rank's in [n] bytes, rank-major */
     m3_status (*all_gather)(m3_comm *c, const void *in, void *out, int64_t bytes);
