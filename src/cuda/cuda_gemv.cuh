@@ -167,10 +167,11 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_w
  * rows via row_ptr (row t starts at element 0 of its K); acc holds this
  * lane's share of the sums (not reduced over the warp). Every thread of the
  * CTA must call it (it synchronises the CTA). */
-template <int T, bool FP8, typename RowPtr>
+template <int T, bool FP8, typename RowPtr, typename Step = gemv_no_step>
 __device__ __forceinline__ void gemv_rows_lane(float (&acc)[GEMV_R][T], const gemv_weight &W,
                                                int64_t n0, int64_t N, int k0, int k1,
-                                               RowPtr row_ptr, int rows, uint16_t *xs) {
+                                               RowPtr row_ptr, int rows, uint16_t *xs,
+                                               Step after_step = Step()) {
     int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < GEMV_R; r++)
@@ -183,7 +184,7 @@ __device__ __forceinline__ void gemv_rows_lane(float (&acc)[GEMV_R][T], const ge
         gemv_stage_x<T>(xs, row_ptr, rows, kc, kn);
         __syncthreads();
         if (n0 < N)
-            gemv_chunk<T, FP8>(acc, W, n0, N, kc, kn, xs, lane);
+            gemv_chunk<T, FP8>(acc, W, n0, N, kc, kn, xs, lane, after_step);
     }
 }
 
@@ -221,14 +222,9 @@ __device__ __forceinline__ float gemv_tree(const gemv_weight &W, int64_t n0, int
     ksum_bounds(K, n_chunks, c0 + group - 1, &kl, &kend);
     const int chunk_len = k1 - k0;
     if (K % n_chunks == 0 && chunk_len % 256 == 0) {
-        const int lane = threadIdx.x & 31, steps = chunk_len / 256;
+        const int steps = chunk_len / 256;
         int step = 0, i = 0;
         float acc[GEMV_R][T];
-#pragma unroll
-        for (int r = 0; r < GEMV_R; r++)
-#pragma unroll
-            for (int t = 0; t < T; t++)
-                acc[r][t] = 0.0f;
         auto chunk_end = [&](int) {
             if (++step < steps)
                 return;
@@ -240,14 +236,7 @@ __device__ __forceinline__ float gemv_tree(const gemv_weight &W, int64_t n0, int
                 for (int t = 0; t < T; t++)
                     acc[r][t] = 0.0f;
         };
-        for (int kc = k0; kc < kend; kc += GEMV_KC) {
-            int kn = kend - kc < GEMV_KC ? kend - kc : GEMV_KC;
-            __syncthreads(); /* the previous piece is consumed */
-            gemv_stage_x<T>(xs, row_ptr, rows, kc, kn);
-            __syncthreads();
-            if (n0 < N)
-                gemv_chunk<T, FP8>(acc, W, n0, N, kc, kn, xs, lane, chunk_end);
-        }
+        gemv_rows_lane<T, FP8>(acc, W, n0, N, k0, kend, row_ptr, rows, xs, chunk_end);
         return ksum_fold(lv, group);
     }
     for (int i = 0; i < group; i++) {

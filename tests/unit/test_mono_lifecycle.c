@@ -429,9 +429,6 @@ int main(void) {
     test_interleaved(model);
     test_tp_fault(model);
     m3_model_free(model);
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir);
-    if (system(cmd) != 0)
-        fprintf(stderr, "could not remove %s\n", g_dir);
+    check_remove_dir(g_dir);
     return check_summary("test_mono_lifecycle");
 }

@@ -108,9 +108,6 @@ int main(void) {
         test_shards(m);
         m3_model_free(m);
     }
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0)
-        fprintf(stderr, "could not remove %s\n", dir);
+    check_remove_dir(dir);
     return check_summary("test_shard");
 }
