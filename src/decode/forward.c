@@ -15,9 +15,11 @@
 #include "cp/cp_layer.h"
 #include "cuda/cuda_cp.h"
 
-/* TP: out = bf16(sum over ranks of s->partial [T, H]), summed in rank order
- * so every rank holds the same bits. The CPU's partials are fp64 (rounded
- * after the sum, exactly as at TP 1); the GPU's fp32. */
+/* TP: out = bf16(sum over ranks of s->partial [T, H]), summed in a fixed
+ * order so every rank holds the same bits. The CPU's partials are fp64
+ * (rounded after the sum, exactly as at TP 1); the GPU's fp32, each a
+ * subtree of TP 1's chunk tree and summed as its top levels
+ * (cuda/cuda_ksum.cuh), so also TP 1's bits. */
 static m3_status reduce_partial(m3_engine *eng, int T, uint16_t *out) {
     int64_t n = (int64_t)T * eng->cfg.hidden_size;
     m3_comm *c = eng->comm;
