@@ -197,16 +197,17 @@ __global__ void cublas_finish_kernel(const float *__restrict__ part, int kch, in
 #define CUBLAS_ROWS 1024
 
 /* `batch` products out_b[m, nb] = x_b[m, kc] w_b[nb, kc]^T, one cuBLAS call:
- * w_b = w + b * w_step elements (w's rows are its own stride apart), x_b =
- * x + b * x_step (rows K apart), out_b = out + b * o_step (rows ldo apart). */
+ * w_b = w0 + b * w_step elements (rows w's own stride apart), x_b = x + b *
+ * x_step (rows K apart), out_b = out + b * o_step (rows ldo apart). */
 static m3_status gemm(m3_cuda *cu, int m, int64_t nb, int kc, int batch, const m3_linear *w,
-                      int64_t w_step, const uint16_t *x, int64_t K, int64_t x_step,
-                      cudaDataType out_t, void *out, int64_t ldo, int64_t o_step) {
+                      const void *w0, int64_t w_step, const uint16_t *x, int64_t K,
+                      int64_t x_step, cudaDataType out_t, void *out, int64_t ldo,
+                      int64_t o_step) {
     float alpha = 1.0f, beta = 0.0f;
     int lda = (int)(w->w.nb[0] / 2);
     /* row-major out[m,nb] = x[m,kc] w[nb,kc]^T is column-major out^T = w x^T */
     cublasStatus_t s = cublasGemmStridedBatchedEx(
-        cu->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)nb, m, kc, &alpha, w->w.data, CUDA_R_16BF,
+        cu->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)nb, m, kc, &alpha, w0, CUDA_R_16BF,
         lda, w_step, x, CUDA_R_16BF, (int)K, x_step, &beta, out, out_t, (int)ldo, o_step, batch,
         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (s != CUBLAS_STATUS_SUCCESS)
@@ -217,9 +218,10 @@ static m3_status gemm(m3_cuda *cu, int m, int64_t nb, int kc, int batch, const m
 
 /* Prefill's GEMM (bf16 weights, more than 16 rows), 1024 rows per pass,
  * cut so no world changes a sum (test_cuda_worlds checks both cuts):
- *   - a row-parallel weight's K into its chunks (cuda_ksum.cuh): one
- *     batched call gives each chunk's fp32 sums, combined as the tree, so a
- *     TP rank's partial is a subtree of TP 1's;
+ *   - a row-parallel weight's K into its chunks (cuda_ksum.cuh): a call
+ *     per chunk (the same shape and batch on every world) gives its fp32
+ *     sums, combined as the tree, so a TP rank's partial is a subtree of
+ *     TP 1's;
  *   - a column-parallel weight's N into its row blocks of the full N: one
  *     batched call of blocks of the same shape on every world (cuBLAS picks
  *     its kernel, and with it a sum's order, by the shape, N included).
@@ -246,11 +248,16 @@ extern "C" m3_status m3_cuda_linear_cublas(m3_cuda *cu, int rows, const uint16_t
         if (kch == 1) {
             int nch = w->n_chunks > 0 && N % w->n_chunks == 0 ? w->n_chunks : 1;
             int64_t nb = N / nch;
-            M3_TRY(gemm(cu, m, nb, kc, nch, w, nb * (w->w.nb[0] / 2), xr, K, 0,
+            M3_TRY(gemm(cu, m, nb, kc, nch, w, w->w.data, nb * (w->w.nb[0] / 2), xr, K, 0,
                         out_f32 ? CUDA_R_32F : CUDA_R_16BF, o, N, nb));
             continue;
         }
-        M3_TRY(gemm(cu, m, N, kc, kch, w, kc, xr, K, kc, CUDA_R_32F, part, N, (int64_t)m * N));
+        /* one call per chunk, not one batched call: a rank holds fewer
+         * chunks than TP 1, and cuBLAS may pick its kernel by the batch */
+        for (int c = 0; c < kch; c++)
+            M3_TRY(gemm(cu, m, N, kc, 1, w, static_cast<const uint16_t *>(w->w.data) + c * kc, 0,
+                        xr + (int64_t)c * kc, K, 0, CUDA_R_32F, part + (size_t)c * m * N, N,
+                        0));
         int64_t n = (int64_t)m * N;
         cublas_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
             part, kch, m, N, out_f32, o, N);
