@@ -97,6 +97,12 @@ m3_status m3_cuda_workspace(m3_cuda *cu, int slot, size_t bytes, void **out);
 m3_status m3_cuda_workspace_parts(m3_cuda *cu, int slot, const size_t *sizes, int n,
                                   void **parts);
 
+/* The chunks of K a weight's GPU sums are cut into (cuda_ksum.cuh): a
+ * row-parallel weight's share of the full K's, else the rule's for K. */
+static inline int m3_cuda_k_chunks(const m3_linear *w) {
+    return w->k_chunks > 0 ? w->k_chunks : m3_k_chunks(w->w.ne[1]);
+}
+
 /* ---- ops (see backend.h for each contract) ---- */
 /* cuda_elementwise.cu */
 m3_status m3_cuda_embed(m3_backend *be, int rows, const int32_t *tokens, const m3_tensor *table,

@@ -164,33 +164,22 @@ static m3_status launch_gemv(m3_cuda *cu, const gemv_weight &W, const uint16_t *
     return launch_linear<16, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
 }
 
-/* The chunks of K this weight's sums are cut into (cuda_ksum.cuh): a
- * row-parallel weight's share of the full K's, else the rule's for K. */
-static int k_chunks_of(const m3_linear *w) {
-    return w->k_chunks > 0 ? w->k_chunks : m3_k_chunks(w->w.ne[1]);
+/* A row-parallel weight's chunks when cuBLAS can take them (whole chunks
+ * of a multiple of 8 columns), 1 for other weights, 0 for a row-parallel
+ * weight it cannot take (the GEMV then runs it at every row count). */
+static int cublas_k_chunks(const m3_linear *w) {
+    int64_t K = w->w.ne[1];
+    if (w->k_chunks <= 0)
+        return 1;
+    return K % w->k_chunks == 0 && (K / w->k_chunks) % 8 == 0 ? w->k_chunks : 0;
 }
 
 /* The vector GEMV needs 16-byte rows and every chunk bound a multiple of 8. */
 static bool vector_ok(const m3_linear *w, const void *x, int64_t K) {
     bool fp8 = w->w.dtype == M3_DT_F8_E4M3;
     uintptr_t a = (uintptr_t)w->w.data | (uintptr_t)x;
-    return K % (8 * k_chunks_of(w)) == 0 && a % 16 == 0 && w->w.nb[0] % 16 == 0 &&
+    return K % (8 * m3_cuda_k_chunks(w)) == 0 && a % 16 == 0 && w->w.nb[0] % 16 == 0 &&
            (!fp8 || K % 32 == 0);
-}
-
-/* out[t, n] (row stride ldo) = the tree over kch chunks of part [kch, m, nb]. */
-__global__ void cublas_finish_kernel(const float *__restrict__ part, int kch, int m, int64_t nb,
-                                     bool out_f32, void *__restrict__ out, int64_t ldo) {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    int64_t n = (int64_t)m * nb;
-    if (i >= n)
-        return;
-    float v = ksum_tree<float>(kch, [&](int c) { return part[(int64_t)c * n + i]; });
-    int64_t o = (i / nb) * ldo + i % nb;
-    if (out_f32)
-        static_cast<float *>(out)[o] = v;
-    else
-        static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
 }
 
 /* Rows per cuBLAS pass: fixed, so a pass's shapes never depend on the world. */
@@ -229,9 +218,8 @@ static m3_status gemm(m3_cuda *cu, int m, int64_t nb, int kc, int batch, const m
 extern "C" m3_status m3_cuda_linear_cublas(m3_cuda *cu, int rows, const uint16_t *x,
                                             const m3_linear *w, m3_dtype out_dtype, void *out) {
     int64_t N = w->w.ne[0], K = w->w.ne[1];
-    int kch = w->k_chunks > 0 && K % w->k_chunks == 0 && (K / w->k_chunks) % 8 == 0
-                  ? w->k_chunks
-                  : 1;
+    int kch = cublas_k_chunks(w);
+    kch = kch > 0 ? kch : 1; /* (a caller's weight the GEMV should run: uncut) */
     int kc = (int)(K / kch);
     bool out_f32 = out_dtype == M3_DT_F32;
     size_t out_size = out_f32 ? 4 : 2;
@@ -258,10 +246,7 @@ extern "C" m3_status m3_cuda_linear_cublas(m3_cuda *cu, int rows, const uint16_t
             M3_TRY(gemm(cu, m, N, kc, 1, w, static_cast<const uint16_t *>(w->w.data) + c * kc, 0,
                         xr + (int64_t)c * kc, K, 0, CUDA_R_32F, part + (size_t)c * m * N, N,
                         0));
-        int64_t n = (int64_t)m * N;
-        cublas_finish_kernel<<<(unsigned)((n + 255) / 256), 256, 0, cu->stream>>>(
-            part, kch, m, N, out_f32, o, N);
-        M3_CUDA_LAUNCHED("cublas_finish_kernel");
+        M3_TRY(finish_splitk(cu, part, kch, (int64_t)m * N, true, out_f32, o));
     }
     return M3_OK;
 }
@@ -276,13 +261,13 @@ static m3_status gemv_dispatch(m3_cuda *cu, int rows, const uint16_t *x, const m
         int64_t total = (int64_t)rows * N;
         unsigned grid = (unsigned)((total + 255) / 256);
         linear_scalar_kernel<<<grid, 256, 0, cu->stream>>>(W, fp8, x, rows, (int)K, N,
-                                                           k_chunks_of(w), out_f32, out);
+                                                           m3_cuda_k_chunks(w), out_f32, out);
         M3_CUDA_LAUNCHED("linear_scalar_kernel");
         return M3_OK;
     }
     if (fp8)
-        return launch_gemv<true>(cu, W, x, rows, (int)K, N, k_chunks_of(w), out_f32, out);
-    return launch_gemv<false>(cu, W, x, rows, (int)K, N, k_chunks_of(w), out_f32, out);
+        return launch_gemv<true>(cu, W, x, rows, (int)K, N, m3_cuda_k_chunks(w), out_f32, out);
+    return launch_gemv<false>(cu, W, x, rows, (int)K, N, m3_cuda_k_chunks(w), out_f32, out);
 }
 
 extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
@@ -301,9 +286,8 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
      * tokens (docs/PERF.md). */
     /* (a row-parallel weight whose chunks cuBLAS cannot take stays on the
      * GEMV, whose sums are cut alike at every row count) */
-    bool chunks_ok = w->k_chunks <= 0 || (K % w->k_chunks == 0 && (K / w->k_chunks) % 8 == 0);
     if (rows > GEMV_MAX_T && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX &&
-        chunks_ok)
+        cublas_k_chunks(w) > 0)
         return m3_cuda_linear_cublas(cu, rows, x, w, out_dtype, out);
     /* MXFP8 (or odd shapes) past 16 rows: 16 rows per pass */
     size_t out_size = out_f32 ? 4 : 2;

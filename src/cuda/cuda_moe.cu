@@ -365,7 +365,7 @@ extern "C" m3_status m3_cuda_moe(m3_backend *be, int rows, const uint16_t *x,
     M3_CUDA_LAUNCHED("moe_plan_kernel");
     int slots = n < E ? n : E;
     /* the down sums' chunks (cuda_ksum.cuh); bounds must be multiples of 8 */
-    int nch = lw->exp_down[0].k_chunks > 0 ? lw->exp_down[0].k_chunks : m3_k_chunks(I);
+    int nch = m3_cuda_k_chunks(&lw->exp_down[0]);
     if (I % (8 * nch))
         nch = 1;
     if (fp8)
