@@ -4,9 +4,11 @@
 Per kernel and item kind: how many items, when the first started and the
 last ended (µs from the kernel's first item), the summed busy time, the
 median item time, and of it the median time spent waiting for the item's
-inputs (a counter) and working after they were ready. The gaps between
-kinds are where CTAs waited. Older traces without the ready column show
-no split.
+inputs (a counter) and working after they were ready, and the median work
+of a CTA's first item of the kind against its later ones ("1st / again":
+the first runs the kind's code cold on its SM and starts with every other
+CTA's first item at once). The gaps between kinds are where CTAs waited.
+Older traces without the ready column show no split.
 """
 import sys
 from collections import defaultdict
@@ -16,6 +18,10 @@ POST = ["select", "attention", "o_proj", "norm2", "router", "shared_gu", "expert
         "shared_down", "expert_down", "final"]
 
 
+def median(v):
+    return v[len(v) // 2]
+
+
 def main(path):
     rows = [list(map(int, l.split())) for l in open(path).read().splitlines()[1:] if l.strip()]
     by = defaultdict(list)
@@ -23,7 +29,14 @@ def main(path):
         k, kind, cta, item, t0, t1 = r[:6]
         ready = r[6] if len(r) > 6 else 0
         ready = min(max(ready, t0), t1)  # 0 (no wait) or before the item: no wait
-        by[(k, kind)].append((t0, t1, cta, ready))
+        by[(k, kind)].append((t0, t1, cta, ready, item))
+    # per CTA, in start order: is this the CTA's first item of its kind?
+    first = {}
+    seen = set()
+    for r in sorted(rows, key=lambda r: r[4]):
+        key = (r[0], r[1], r[2])
+        first[(r[0], r[2], r[3], r[4])] = key not in seen
+        seen.add(key)
     print(path)
     for k in (0, 1):
         ks = [v for (kk, _), v in by.items() if kk == k]
@@ -40,13 +53,17 @@ def main(path):
             d = sorted(x[1] - x[0] for x in v)
             wait = sorted(x[3] - x[0] for x in v)
             work = sorted(x[1] - x[3] for x in v)
+            w1 = sorted(x[1] - x[3] for x in v if first[(k, x[2], x[4], x[0])])
+            w2 = sorted(x[1] - x[3] for x in v if not first[(k, x[2], x[4], x[0])])
+            split = "  1st / again %6.2f / %s" % (
+                median(w1) / 1e3, "%6.2f" % (median(w2) / 1e3) if w2 else "     -")
             print("    %-12s n=%5d  first %8.1f  last end %8.1f  busy %9.1f  median %7.2f "
-                  "(wait %6.2f, work %6.2f)  max %7.2f us" %
+                  "(wait %6.2f, work %6.2f)  max %7.2f us%s" %
                   (names[kind] if kind < len(names) else kind, len(v),
                    (min(x[0] for x in v) - start) / 1e3,
                    (max(x[1] for x in v) - start) / 1e3,
                    sum(d) / 1e3, d[len(d) // 2] / 1e3, wait[len(wait) // 2] / 1e3,
-                   work[len(work) // 2] / 1e3, d[-1] / 1e3))
+                   work[len(work) // 2] / 1e3, d[-1] / 1e3, split))
 
 
 if __name__ == "__main__":

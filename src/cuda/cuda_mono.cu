@@ -40,19 +40,23 @@
  *        to an 8-column tile of the output combines it | TP: final sums.
  *
  * GEMV tiles: 8 output rows (2 per warp) over K, the rows' activations
- * staged in shared memory 1024 columns at a time (cp.async); weights streamed once
- * with 16-byte (bf16) / 8-byte (e4m3) loads, exactly the inner loop of
- * cuda_gemv.cuh (same sums in the same order). Latency: an item asks L2 for
+ * staged in shared memory 1024 columns at a time (cp.async); weights
+ * streamed once with 16-byte (bf16) / 8-byte (e4m3) loads, the inner loop
+ * of the stock GEMV as it was before its sums were cut into chunks that do
+ * not depend on the TP world (cuda_ksum.cuh). Latency: an item asks L2 for
  * its first two chunks of weight rows (cp.async.bulk.prefetch, one request
  * per row) as soon as it starts, before it waits on its inputs, and the K
  * loop keeps that prefetch two chunks ahead; each chunk's weight loads are
  * issued before its activations are staged. Routed down items cover four
- * 8-column tiles of one expert. Narrow matrices are split over K exactly as the stock
- * linear op splits them (its rule, its 1024-column slices; the count
- * depends on the shape and the SM count, never on the row count), and the
- * tile's last arriver sums the partials in slice order: every dense product
- * gives the stock path's bits, so the projections, the cache entries, the
- * index scores and hence the block selections equal the stock path's.
+ * 8-column tiles of one expert. Narrow matrices are split over K by the
+ * rule the stock linear op used before its chunk groups (1024-column
+ * slices; the count depends on the shape and the SM count, never on the
+ * row count), and the tile's last arriver sums the partials in slice
+ * order. So the dense products are the stock path's up to fp32 summation
+ * order, not bit for bit: the cache entries, index scores and block
+ * selections equal the stock path's almost everywhere (test_cuda_mono
+ * counts them). Cutting these sums like the stock path's (branch
+ * merge-mono-worlds) made the fused kernels 27-41% slower (docs/PERF.md).
  * Results are deterministic, and a row's values do not depend on the other
  * rows of the step (batch invariance): attention splits (one per top-k
  * block), index slices and the MoE member groups depend on capacities or
@@ -297,8 +301,8 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     m->pf_chunks = env_int("M3_MONO_PF_CHUNKS", 2, 0, 6);
     m->poll_acquire = env_int("M3_MONO_POLL_ACQUIRE", 0, 0, 1);
     m->stage_async = env_int("M3_MONO_STAGE_ASYNC", 1, 0, 1);
-    /* K splits as the stock linear op takes them (16-row CTAs; the router's
-     * fp32 kernel 8-row CTAs) */
+    /* K splits by the stock linear op's rule before its chunk groups
+     * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
     const int64_t p_rows[5] = {(int64_t)Ni * kHD, kHD, (int64_t)Nkv * kHD, (int64_t)Nkv * kHD,
                                (int64_t)Nq * kHD};

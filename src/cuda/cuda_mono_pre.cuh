@@ -109,8 +109,9 @@ __device__ void norm1_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
 
 /* Projection item: a tile of the virtual matrix [iq; ik; k; v; q] (the
  * columns of a.proj) and a K slice, in matrix order (iq and ik first: the
- * indexer waits for them). Every matrix keeps the stock GEMV's K split, so
- * the projections are the stock path's bits. */
+ * indexer waits for them). Every matrix keeps the stock GEMV's K split (the
+ * sums within a slice are not cut into the stock path's chunks: the
+ * projections are its values up to fp32 summation order). */
 template <int NR>
 __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                           bool faulted) {
