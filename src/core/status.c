@@ -76,3 +76,11 @@ void *m3_calloc(size_t n, size_t size, const char *what) {
                 what);
     return p;
 }
+
+char *m3_strdup(const char *s, const char *what) {
+    size_t n = strlen(s) + 1;
+    char *p = m3_malloc(n, what);
+    if (p)
+        memcpy(p, s, n);
+    return p;
+}

@@ -32,5 +32,7 @@ void m3_clear_error(void);
 /* Allocation that reports failure with the size asked for. */
 void *m3_malloc(size_t bytes, const char *what);
 void *m3_calloc(size_t n, size_t size, const char *what);
+/* A copy of the string s (NULL with the error set when out of memory). */
+char *m3_strdup(const char *s, const char *what);
 
 #endif
