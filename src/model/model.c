@@ -383,9 +383,9 @@ m3_status m3_model_load(const char *dir, const m3_model_opts *opts, m3_model **o
     char path[4096];
     if (!m)
         return m3_fail(M3_ERR_NO_MEMORY, "out of memory loading %s", dir);
-    m->dir = strdup(dir);
+    m->dir = m3_strdup(dir, "the model directory's path");
     snprintf(path, sizeof path, "%s/config.json", dir);
-    m3_status st = m3_config_load(path, &m->cfg);
+    m3_status st = m->dir ? m3_config_load(path, &m->cfg) : M3_ERR_NO_MEMORY;
     if (!st)
         st = m3_st_open_dir(dir, opts && opts->progress, &m->files);
     if (!st)
