@@ -1,0 +1,460 @@
+#!/usr/bin/env python3
+"""Bad-input tests for the `m3` command-line program: arguments.
+
+Every case runs `m3 generate` or `m3 synth` with one bad argument (a
+missing or malformed value, an out-of-range number, a conflicting option,
+a path that cannot be used) and checks that the program refuses it the way
+the CLI promises (bad_input_harness.py says how; test_bad_input.py holds
+the checkpoint cases): exit status 2 for a usage error or 1 for a runtime
+failure, stderr naming the argument and value, no sanitizer or crash
+report, no hang.
+
+Usage: test_bad_args.py --m3 PATH_TO_M3 --work SCRATCH_DIR [-k SUBSTRING] [-v]
+Python 3 standard library only.
+"""
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import bad_input_harness as H
+from bad_input_harness import *  # noqa: F401,F403 (case, Failure, the checkpoint helpers)
+
+
+# ------------------------------------------------------------------ generate arguments
+
+@case
+def gen_token_id_equal_vocab():
+    expect_fail(gen_args(H.GOOD, ids="1,512,3"), ["token id 512", "vocabulary"], rc=1)
+
+
+@case
+def gen_token_id_far_beyond_vocab():
+    expect_fail(gen_args(H.GOOD, ids="2147483647"), ["token id 2147483647"], rc=1)
+
+
+@case
+def gen_token_id_beyond_int32():
+    expect_fail(gen_args(H.GOOD, ids="1,4294967296"), ["--prompt-ids", "bad entry 1"], rc=2)
+
+
+@case
+def gen_token_id_negative():
+    expect_fail(gen_args(H.GOOD, ids="1,-2,3"), ["--prompt-ids", "bad entry 1", "-2"], rc=2)
+
+
+@case
+def gen_prompt_ids_garbage():
+    expect_fail(gen_args(H.GOOD, ids="1,two,3"), ["--prompt-ids", "bad entry 1", "two"], rc=2)
+
+
+@case
+def gen_prompt_ids_empty_entry():
+    expect_fail(gen_args(H.GOOD, ids="1,,3"), ["--prompt-ids", "bad entry 1"], rc=2)
+
+
+@case
+def gen_prompt_ids_trailing_comma():
+    expect_fail(gen_args(H.GOOD, ids="1,2,"), ["--prompt-ids ends with a comma"], rc=2)
+
+
+@case
+def gen_prompt_ids_float():
+    expect_fail(gen_args(H.GOOD, ids="1.5"), ["--prompt-ids", "bad entry 0"], rc=2)
+
+
+@case
+def gen_prompt_ids_empty():
+    expect_fail(gen_args(H.GOOD, ids=""), ["prompt is empty"], rc=(1, 2))
+
+
+@case
+def gen_prompt_text_empty():
+    expect_fail(gen_args(H.GOOD, "--prompt", "", ids=None), ["prompt is empty"], rc=(1, 2))
+
+
+@case
+def gen_prompt_longer_than_context():
+    d = with_config("gen_prompt_longer_than_context", _set_text("max_position_embeddings", 100))
+    ids = ",".join(str(i % 500 + 1) for i in range(150))
+    expect_fail(gen_args(d, ids=ids), ["prompt of 150 tokens", "the limit is 100"], rc=1)
+
+
+@case
+def gen_prompt_plus_tokens_longer_than_context():
+    d = with_config("gen_prompt_plus_tokens_longer_than_context",
+                    _set_text("max_position_embeddings", 100))
+    ids = ",".join(str(i % 500 + 1) for i in range(90))
+    expect_fail(gen_args(d, "--ignore-eos", ids=ids, max_tokens=20),
+                ["prompt of 90 tokens plus 20 new tokens", "the limit is 100"], rc=1)
+
+
+@case
+def gen_max_tokens_negative():
+    expect_fail(gen_args(H.GOOD, max_tokens=-1), ["--max-tokens = -1 is out of range"], rc=2)
+
+
+@case
+def gen_max_tokens_garbage():
+    expect_fail(gen_args(H.GOOD, max_tokens="lots"), ["--max-tokens expects an integer", "lots"],
+                rc=2)
+
+
+@case
+def gen_max_tokens_overflow():
+    expect_fail(gen_args(H.GOOD, max_tokens="99999999999999999999999"),
+                ["--max-tokens expects an integer"], rc=2)
+
+
+@case
+def gen_max_tokens_missing_value():
+    expect_fail(["generate", "--model", H.GOOD, "--prompt-ids", "1,2,3", "--max-tokens"],
+                ["--max-tokens needs a value"], rc=2)
+
+
+@case
+def gen_unknown_option():
+    expect_fail(gen_args(H.GOOD, "--frobnicate", "3"), ["unknown option '--frobnicate'"], rc=2)
+
+
+@case
+def gen_unknown_command():
+    expect_fail(["generat", "--model", H.GOOD], ["unknown command 'generat'"], rc=2)
+
+
+@case
+def gen_no_command():
+    expect_fail([], ["usage: m3"], rc=2)
+
+
+@case
+def gen_temperature_negative():
+    expect_fail(gen_args(H.GOOD, "--temperature", "-1"), ["--temperature = -1 is out of range"],
+                rc=2)
+
+
+@case
+def gen_temperature_nan():
+    expect_fail(gen_args(H.GOOD, "--temperature", "nan"), ["--temperature expects a number"], rc=2)
+
+
+@case
+def gen_temperature_inf():
+    expect_fail(gen_args(H.GOOD, "--temperature", "inf"), ["--temperature expects a number"], rc=2)
+
+
+@case
+def gen_top_p_zero():
+    expect_fail(gen_args(H.GOOD, "--temperature", "1", "--top-p", "0"),
+                ["--top-p = 0 is out of range"], rc=2)
+
+
+@case
+def gen_top_p_above_one():
+    expect_fail(gen_args(H.GOOD, "--temperature", "1", "--top-p", "1.5"),
+                ["--top-p = 1.5 is out of range"], rc=2)
+
+
+@case
+def gen_top_k_negative():
+    expect_fail(gen_args(H.GOOD, "--top-k", "-3"), ["--top-k = -3 is out of range"], rc=2)
+
+
+@case
+def gen_seed_negative():
+    expect_fail(gen_args(H.GOOD, "--seed", "-1"), ["--seed = -1 is out of range"], rc=2)
+
+
+@case
+def gen_threads_too_many():
+    expect_fail(gen_args(H.GOOD, "--threads", "100000"), ["--threads = 100000 is out of range"],
+                rc=2)
+
+
+@case
+def gen_max_rows_zero():
+    expect_fail(gen_args(H.GOOD, "--max-rows", "0"), ["--max-rows = 0 is out of range"], rc=2)
+
+
+@case
+def gen_both_prompt_and_ids():
+    expect_fail(gen_args(H.GOOD, "--prompt", "hi"), ["exactly one of --prompt or --prompt-ids"],
+                rc=2)
+
+
+@case
+def gen_neither_prompt_nor_ids():
+    expect_fail(gen_args(H.GOOD, ids=None), ["exactly one of --prompt or --prompt-ids"], rc=2)
+
+
+@case
+def gen_device_nonsense():
+    expect_fail(gen_args(H.GOOD, "--device", "tpu9"), ["--device tpu9: expected cpu or cuda"], rc=2)
+
+
+@case
+def gen_decode_nonsense():
+    expect_fail(gen_args(H.GOOD, "--decode", "fast"),
+                ["--decode fast: expected stock, mono or auto"], rc=2)
+
+
+@case
+def gen_tp_out_of_range():
+    expect_fail(gen_args(H.GOOD, "--tp", "0"), ["--tp"], rc=2)
+    expect_fail(gen_args(H.GOOD, "--tp", "9"), ["--tp"], rc=2)
+    expect_fail(gen_args(H.GOOD, "--tp", "two"), ["--tp"], rc=2)
+
+
+@case
+def gen_tp_does_not_divide():
+    # the good checkpoint is the tiny preset: 4 query heads, 2 KV heads
+    expect_fail(gen_args(H.GOOD, "--tp", "3"), ["tp = 3", "num_attention_heads = 4"], rc=1)
+
+
+@case
+def gen_indexer_cp_on_cuda():
+    expect_fail(gen_args(H.GOOD, "--indexer-cp", "--device", "cuda"), ["--indexer-cp", "cuda"],
+                rc=1)
+
+
+@case
+def bench_usage():
+    expect_fail(["bench"], ["expected 'layer', 'linear' or 'indexer'"], rc=2)
+    expect_fail(["bench", "indexer", "--world", "0"], ["--world"], rc=2)
+    expect_fail(["bench", "indexer", "--world", "65"], ["--world"], rc=2)
+    expect_fail(["bench", "indexer", "--batch", "x"], ["--batch"], rc=2)
+    expect_fail(["bench", "indexer", "--min-blocks", "0"], ["--min-blocks"], rc=2)
+    expect_fail(["bench", "indexer", "--target-grid", "-3"], ["--target-grid"], rc=2)
+    expect_fail(["bench", "indexer", "--frobnicate", "1"], ["unknown option"], rc=2)
+
+
+@case
+def bench_indexer_without_gpu():
+    """Without a usable GPU: a clear error, exit 1; with one, a table."""
+    code, out, err, cmd, dt = run_m3(["bench", "indexer", "--batch", "1", "--context", "300",
+                                      "--world", "1,2", "--iters", "1"])
+    if code == 0:
+        if "| batch | context | world |" not in out:
+            raise Failure(f"exit 0 without the table\n  command: {shell(cmd)}\n  out: {out}")
+        return
+    if code != 1 or not REPORT_RE.search(err) or any(m in err for m in BAD_MARKERS):
+        raise Failure(f"exit {code}, stderr: {err.strip()[:2000]}\n  command: {shell(cmd)}")
+
+
+@case
+def gen_tp_on_cuda_too_few_gpus():
+    # one GPU per rank: refused where fewer than 2 GPUs (or no CUDA build);
+    # on a machine with 2 or more it is no bad input (scripts/gpu-check)
+    smi = shutil.which("nvidia-smi")
+    if smi and subprocess.run([smi, "-L"], capture_output=True, text=True).stdout.count("GPU ") >= 2:
+        return
+    expect_fail(gen_args(H.GOOD, "--tp", "2", "--device", "cuda"), ["--tp 2 over GPUs"], rc=1)
+
+
+@case
+def gen_model_empty_dir():
+    d = case_dir("gen_model_empty_dir")
+    expect_fail(gen_args(d), [d, "config.json"], rc=1)
+
+
+@case
+def gen_model_missing_dir():
+    d = os.path.join(H.WORK, "cases", "does-not-exist")
+    expect_fail(gen_args(d), [d], rc=1)
+
+
+@case
+def gen_model_is_a_file():
+    d = os.path.join(H.GOOD, "config.json")
+    expect_fail(gen_args(d), [d], rc=1)
+
+
+@case
+def gen_model_config_only():
+    d = copy_good("gen_model_config_only", weights=False)
+    expect_fail(gen_args(d), [d, "safetensors"], rc=1)
+
+
+@case
+def gen_dump_logits_missing_dir():
+    target = os.path.join(H.WORK, "cases", "no-such-dir", "logits.npy")
+    expect_fail(gen_args(H.GOOD, "--dump-logits", target), ["cannot create", "no-such-dir"], rc=1)
+
+
+@case
+def gen_dump_logits_disk_full():
+    # the write error itself (ENOSPC) must reach the user
+    if not os.path.exists("/dev/full"):
+        return
+    expect_fail(gen_args(H.GOOD, "--dump-logits", "/dev/full"),
+                ["/dev/full", os.strerror(28)], rc=1)
+
+
+@case
+def gen_stdout_disk_full():
+    # tokens that could not be printed are a failure, not exit 0
+    if not os.path.exists("/dev/full"):
+        return
+    with open("/dev/full", "wb") as full:
+        expect_fail(gen_args(H.GOOD), [], rc=(1, 2), report=False, stdout=full)
+
+
+@case
+def gen_model_empty_string():
+    expect_fail(gen_args(""), [], rc=(1, 2))
+
+
+@case
+def gen_builtin_cache_dir_is_a_file():
+    # no --model: the built-in tiny model cannot be synthesized into the cache
+    f = os.path.join(H.WORK, "cases", "cache_is_a_file")
+    os.makedirs(os.path.dirname(f), exist_ok=True)
+    with open(f, "w") as fh:
+        fh.write("not a folder\n")
+    expect_fail(gen_args(None), [f], rc=1, env={"M3_CACHE_DIR": f})
+
+
+@case
+def gen_dump_logits_into_directory():
+    d = case_dir("gen_dump_logits_into_directory")
+    expect_fail(gen_args(H.GOOD, "--dump-logits", d), [d], rc=1)
+
+
+# ------------------------------------------------------------------ synth arguments
+
+def synth_out(name):
+    d = os.path.join(H.WORK, "cases", name)
+    if os.path.lexists(d):
+        shutil.rmtree(d)
+    os.makedirs(os.path.dirname(d), exist_ok=True)
+    return d
+
+
+@case
+def synth_unknown_preset():
+    expect_fail(["synth", "--preset", "huge", "--out", synth_out("synth_unknown_preset")],
+                ["unknown preset 'huge'"], rc=(1, 2))
+
+
+@case
+def synth_layers_zero():
+    expect_fail(["synth", "--preset", "tiny", "--layers", "0", "--out",
+                 synth_out("synth_layers_zero")], ["--layers = 0 is out of range"], rc=2)
+
+
+@case
+def synth_layers_huge():
+    expect_fail(["synth", "--preset", "tiny", "--layers", "9999", "--out",
+                 synth_out("synth_layers_huge")], ["--layers = 9999 is out of range"], rc=2)
+
+
+@case
+def synth_layers_more_than_model():
+    expect_fail(["synth", "--preset", "tiny", "--layers", "5", "--out",
+                 synth_out("synth_layers_more_than_model")], ["layers = 5", "[1, 3]"],
+                rc=(1, 2))
+
+
+@case
+def synth_layers_garbage():
+    expect_fail(["synth", "--preset", "tiny", "--layers", "three", "--out",
+                 synth_out("synth_layers_garbage")], ["--layers expects an integer"], rc=2)
+
+
+@case
+def synth_seed_negative():
+    expect_fail(["synth", "--preset", "tiny", "--seed", "-4", "--out",
+                 synth_out("synth_seed_negative")], ["--seed = -4 is out of range"], rc=2)
+
+
+@case
+def synth_config_missing():
+    missing = os.path.join(H.WORK, "cases", "nope", "config.json")
+    expect_fail(["synth", "--config", missing, "--out", synth_out("synth_config_missing")],
+                [missing], rc=1)
+
+
+@case
+def synth_config_invalid():
+    d = with_config("synth_config_invalid_src", _del_text("hidden_size"))
+    expect_fail(["synth", "--config", os.path.join(d, "config.json"), "--out",
+                 synth_out("synth_config_invalid")],
+                ["missing required field 'hidden_size'"], rc=1)
+
+
+@case
+def synth_preset_and_config():
+    expect_fail(["synth", "--preset", "tiny", "--config", os.path.join(H.GOOD, "config.json"),
+                 "--out", synth_out("synth_preset_and_config")],
+                ["exactly one of --preset or --config"], rc=2)
+
+
+@case
+def synth_neither_preset_nor_config():
+    expect_fail(["synth", "--out", synth_out("synth_neither")],
+                ["exactly one of --preset or --config"], rc=2)
+
+
+@case
+def synth_no_out():
+    expect_fail(["synth", "--preset", "tiny"], ["--out"], rc=2)
+
+
+@case
+def synth_out_missing_value():
+    expect_fail(["synth", "--preset", "tiny", "--out"], ["--out needs a value"], rc=2)
+
+
+@case
+def synth_unknown_option():
+    expect_fail(["synth", "--preset", "tiny", "--bogus", "1", "--out",
+                 synth_out("synth_unknown_option")], ["unknown option '--bogus'"], rc=2)
+
+
+@case
+def synth_out_under_regular_file():
+    f = os.path.join(H.WORK, "cases", "synth_out_under_regular_file.txt")
+    os.makedirs(os.path.dirname(f), exist_ok=True)
+    with open(f, "w") as fh:
+        fh.write("not a folder\n")
+    out = os.path.join(f, "ckpt")
+    expect_fail(["synth", "--preset", "tiny", "--out", out], [out], rc=1)
+
+
+@case
+def synth_out_empty_string():
+    expect_fail(["synth", "--preset", "tiny", "--out", ""], ["m3 synth"], rc=(1, 2))
+
+
+@case
+def synth_out_is_regular_file():
+    f = os.path.join(H.WORK, "cases", "synth_out_is_regular_file.txt")
+    os.makedirs(os.path.dirname(f), exist_ok=True)
+    with open(f, "w") as fh:
+        fh.write("not a folder\n")
+    expect_fail(["synth", "--preset", "tiny", "--out", f], [f], rc=1)
+
+
+@case
+def synth_out_read_only_dir():
+    if os.geteuid() == 0:
+        return  # root writes anywhere; nothing to test
+    parent = os.path.join(H.WORK, "cases", "synth_ro")
+    if os.path.lexists(parent):
+        os.chmod(parent, 0o755)
+        shutil.rmtree(parent)
+    os.makedirs(parent)
+    os.chmod(parent, stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        out = os.path.join(parent, "ckpt")
+        expect_fail(["synth", "--preset", "tiny", "--out", out], [out], rc=1)
+    finally:
+        os.chmod(parent, 0o755)
+
+
+# ================================================================== main
+
+
+if __name__ == "__main__":
+    sys.exit(main("test_bad_args"))
