@@ -62,8 +62,8 @@ def main(path):
                   (names[kind] if kind < len(names) else kind, len(v),
                    (min(x[0] for x in v) - start) / 1e3,
                    (max(x[1] for x in v) - start) / 1e3,
-                   sum(d) / 1e3, d[len(d) // 2] / 1e3, wait[len(wait) // 2] / 1e3,
-                   work[len(work) // 2] / 1e3, d[-1] / 1e3, split))
+                   sum(d) / 1e3, median(d) / 1e3, median(wait) / 1e3,
+                   median(work) / 1e3, d[-1] / 1e3, split))
 
 
 if __name__ == "__main__":

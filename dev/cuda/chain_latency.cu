@@ -30,7 +30,7 @@
  * next), and the whole kernel. The last x is checked against a
  * CPU reference (relative L2 <= 1e-2; outputs poisoned with NaN first).
  *
- *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
+ *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc \
  *        dev/cuda/chain_latency.cu -o /tmp/chain_latency
  *   /tmp/chain_latency [--rows-per-cta 16] [--phases 3] [--runs 20]
  */
@@ -43,6 +43,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "cuda/cuda_async.cuh"  /* cp.async, counter loads, the global timer */
+#include "cuda/cuda_common.cuh" /* bf16 conversion, unpack8, warp sums */
+#include "core/bf16.h"         /* the host's bf16 conversion (the reference) */
 
 #define CK(x)                                                                        \
     do {                                                                             \
@@ -65,47 +69,17 @@ struct Args {
     int n, rows, phases, mode;
 };
 
-__device__ __forceinline__ float bf(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-__device__ __forceinline__ uint16_t to_bf(float f) { /* nearest even; no NaN inputs here */
-    uint32_t u = __float_as_uint(f);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-__device__ __forceinline__ unsigned long long gtimer() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ unsigned ld_relaxed(const unsigned *p) {
-    unsigned v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 /* wait for all but the newest `pending` groups (pending < kMaxPhases) */
 __device__ __forceinline__ void cp_wait_dyn(int pending) {
     switch (pending) {
-    case 0: cp_wait<0>(); break;
-    case 1: cp_wait<1>(); break;
-    case 2: cp_wait<2>(); break;
-    case 3: cp_wait<3>(); break;
-    case 4: cp_wait<4>(); break;
-    case 5: cp_wait<5>(); break;
-    case 6: cp_wait<6>(); break;
-    default: cp_wait<7>(); break;
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
     }
 }
 
@@ -113,18 +87,14 @@ __device__ __forceinline__ void cp_wait_dyn(int pending) {
 __device__ __forceinline__ float row_dot(const uint16_t *w, const uint16_t *xs, int n, int lane) {
     float acc = 0.0f;
     for (int k = lane * 8; k < n; k += 256) {
-        uint4 wv = *reinterpret_cast<const uint4 *>(w + k);
-        uint4 xv = *reinterpret_cast<const uint4 *>(xs + k);
-        const uint32_t wa[4] = {wv.x, wv.y, wv.z, wv.w}, xa[4] = {xv.x, xv.y, xv.z, xv.w};
+        float wf[8], xf[8];
+        unpack8(*reinterpret_cast<const uint4 *>(w + k), wf);
+        unpack8(*reinterpret_cast<const uint4 *>(xs + k), xf);
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            acc += __uint_as_float(wa[j] << 16) * __uint_as_float(xa[j] << 16);
-            acc += __uint_as_float(wa[j] & 0xffff0000u) * __uint_as_float(xa[j] & 0xffff0000u);
-        }
+        for (int j = 0; j < 8; j++)
+            acc += wf[j] * xf[j];
     }
-    for (int o = 16; o > 0; o >>= 1)
-        acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    return acc;
+    return m3_warp_sum(acc);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) chain_kernel(const Args a) {
@@ -140,8 +110,8 @@ __global__ void __launch_bounds__(kThreads, 1) chain_kernel(const Args a) {
             const uint16_t *src = a.w + p * wmat + (size_t)row0 * a.n;
             uint16_t *dst = ws + (size_t)p * a.rows * a.n;
             for (int i = threadIdx.x; i < pieces; i += kThreads)
-                cp_async16(dst + i * 8, src + i * 8);
-            cp_commit();
+                cp_async16(dst + i * 8, src + i * 8, true);
+            cp_async_commit();
         }
     } else if (a.mode == L2 && threadIdx.x < a.phases * a.rows) {
         const int p = threadIdx.x / a.rows, r = threadIdx.x % a.rows;
@@ -176,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) chain_kernel(const Args a) {
                                                    : a.w + p * wmat + (size_t)(row0 + r) * a.n;
                 float v = row_dot(w, xs, a.n, lane);
                 if (lane == 0)
-                    y[row0 + r] = to_bf(v);
+                    y[row0 + r] = m3_to_bf(v);
             }
         }
         __syncthreads();
@@ -191,20 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1) chain_kernel(const Args a) {
         a.t_link[a.phases] = gtimer();
     }
     if (a.mode == SMEM)
-        cp_wait<0>();
-}
-
-static uint16_t h_to_bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static float h_bf(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+        cp_async_wait<0>();
 }
 
 int main(int argc, char **argv) {
@@ -245,19 +202,19 @@ int main(int argc, char **argv) {
     };
     const float scale = 1.7f / sqrtf((float)n);
     for (auto &v : hw)
-        v = h_to_bf(rnd() * scale);
+        v = m3_f32_to_bf16(rnd() * scale);
     for (auto &v : hx)
-        v = h_to_bf(rnd());
+        v = m3_f32_to_bf16(rnd());
     /* CPU reference of the chain (double sums, bf16 per link) */
     std::vector<float> ref(n), cur(n);
     for (int i = 0; i < n; i++)
-        cur[i] = h_bf(hx[i]);
+        cur[i] = m3_bf16_to_f32(hx[i]);
     for (int p = 0; p < phases; p++) {
         for (int r = 0; r < n; r++) {
             double acc = 0.0;
             for (int k = 0; k < n; k++)
-                acc += (double)h_bf(hw[((size_t)p * n + r) * n + k]) * cur[k];
-            ref[r] = h_bf(h_to_bf((float)acc));
+                acc += (double)m3_bf16_to_f32(hw[((size_t)p * n + r) * n + k]) * cur[k];
+            ref[r] = m3_bf16_to_f32(m3_f32_to_bf16((float)acc));
         }
         cur = ref;
     }
@@ -318,7 +275,7 @@ int main(int argc, char **argv) {
                               cudaMemcpyDeviceToHost));
                 double num = 0.0, den = 0.0;
                 for (int i = 0; i < n; i++) {
-                    double d = (double)h_bf(got[i]) - ref[i];
+                    double d = (double)m3_bf16_to_f32(got[i]) - ref[i];
                     num += d * d;
                     den += (double)ref[i] * ref[i];
                 }

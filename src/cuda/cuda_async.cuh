@@ -2,7 +2,8 @@
  * Device helpers shared by the stock kernels (cuda_index.cu,
  * cuda_attention.cu) and the mono path's fused kernels (cuda_mono*), so
  * both compute the same bits with one copy of the code: cp.async (global
- * to shared, bypassing L1), the CPU's first-maximum rule, the index dot
+ * to shared, bypassing L1), counter loads and the global timer, the CPU's
+ * first-maximum rule, the index dot
  * products in the CPU's accumulation order, the tensor-core fragment loads
  * and bf16 MMA of the attention kernels, one warp's attention tile, and
  * the exact top-k block selection.
@@ -33,6 +34,27 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* Counters between CTAs (the persistent kernels' dependencies): an acquire
+ * load, and a relaxed one to poll with (ld.acquire invalidates the SM's L1
+ * each time it runs); the global timer for traces. */
+__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ unsigned ld_relaxed(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ unsigned long long gtimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
 }
 
 /* The CPU's running max folded over two consecutive runs of positions:

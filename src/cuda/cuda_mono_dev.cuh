@@ -10,20 +10,6 @@ namespace m3mono {
 
 /* ================================================================ helpers */
 
-__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-/* A relaxed load: unlike ld.acquire (which invalidates the SM's whole L1,
- * CCTL.IVALL, on every execution), cheap enough to poll with. */
-__device__ __forceinline__ unsigned ld_relaxed(const unsigned *p) {
-    unsigned v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 __device__ __forceinline__ int ld_vol(const int *p) { return *(const volatile int *)p; }
 
 __device__ __forceinline__ uint2 ld_vol_v2(const uint2 *p) {
@@ -38,12 +24,6 @@ __device__ __forceinline__ uint2 ld_vol_v2(const uint2 *p) {
 __device__ __forceinline__ void st_vol_v2(uint2 *p, uint2 v) {
     asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y)
                  : "memory");
-}
-
-__device__ __forceinline__ unsigned long long gtimer() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
 }
 
 /* The first fault wins; [1..3] are written after the code, before the step's
