@@ -215,12 +215,42 @@ __device__ void sel_find_digit(SelSharedT<WARPS> &sh, int shift) {
     }
 }
 
+/* Up to 128 candidates (every context up to 16K tokens): each thread ranks
+ * its candidate's key against all of them (keys are distinct, so exactly
+ * one has rank room - 1) and that key is the threshold. Two barriers and n
+ * broadcast reads, where the radix select below takes up to eight passes
+ * of three barriers each (2.5 µs of the mono selection item at 32
+ * candidates, the ninth session's item marks). 1 <= room < n. */
+template <int THREADS>
+__device__ uint64_t sel_threshold_small(const float *sc, int c0, int n, unsigned room,
+                                        SelSharedT<THREADS / 32> &sh) {
+    static_assert(sizeof(sh.hist) >= 128 * sizeof(uint64_t), "the keys live in hist");
+    uint64_t *keys = reinterpret_cast<uint64_t *>(sh.hist);
+    uint64_t key = 0;
+    for (int i = threadIdx.x; i < n; i += THREADS) /* one round: n <= 128 <= THREADS */
+        keys[i] = key = sel_key(sc[c0 + i], c0 + i);
+    __syncthreads();
+    if ((int)threadIdx.x < n) {
+        unsigned above = 0;
+        for (int j = 0; j < n; j++)
+            above += keys[j] > key;
+        if (above == room - 1u)
+            sh.prefix = key;
+    }
+    __syncthreads();
+    const uint64_t thr = sh.prefix;
+    __syncthreads(); /* hist (the keys) and prefix are the caller's again */
+    return thr;
+}
+
 /* Radix select (8-bit digits, most significant first) over the keys of
  * candidates [c0, c1): returns thr such that exactly `room` of them have
  * key >= thr (keys are distinct: they end in the block id). */
 template <int THREADS>
 __device__ uint64_t sel_threshold(const float *sc, int c0, int c1, unsigned room,
                               SelSharedT<THREADS / 32> &sh) {
+    if (c1 - c0 <= 128 && THREADS >= 128 && room >= 1u && (int)room < c1 - c0) /* CTA-uniform */
+        return sel_threshold_small<THREADS>(sc, c0, c1 - c0, room, sh);
     int lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         sh.prefix = 0;

@@ -293,12 +293,15 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     m->P = env_int("M3_MONO_CTAS", m->P, 1, m->P);
     /* M3_MONO_SPIN_NS: a waiting CTA's sleep between polls of a counter;
      * M3_MONO_PF_CHUNKS: how many 1024-column chunks ahead a GEMV item asks
-     * L2 for its weights (0: none); M3_MONO_POLL_ACQUIRE=1: every poll an
+     * L2 for its weights (default 0, none: the prefetches issued when the
+     * kernels start delay the chain's first loads, and no item gained from
+     * them; 2-3% at one row in the fourth and ninth sessions' A/Bs);
+     * M3_MONO_POLL_ACQUIRE=1: every poll an
      * acquire load; M3_MONO_STAGE_ASYNC=0: GEMV activations staged by
      * load + store instead of cp.async. None changes results. Out-of-range
      * values keep the defaults (docs/PERF.md has the measurements). */
     m->spin_ns = env_int("M3_MONO_SPIN_NS", 64, 0, 1000000);
-    m->pf_chunks = env_int("M3_MONO_PF_CHUNKS", 2, 0, 6);
+    m->pf_chunks = env_int("M3_MONO_PF_CHUNKS", 0, 0, 6);
     m->poll_acquire = env_int("M3_MONO_POLL_ACQUIRE", 0, 0, 1);
     m->stage_async = env_int("M3_MONO_STAGE_ASYNC", 1, 0, 1);
     /* K splits by the stock linear op's rule before its chunk groups

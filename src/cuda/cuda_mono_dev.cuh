@@ -276,9 +276,10 @@ __device__ __forceinline__ void prefetch_rows(const WRow &W, int64_t n0, int nr,
 }
 
 /* How far ahead of the K loop weights are asked for: an item prefetches
- * its rows' first s_pf_chunks chunks (M3_MONO_PF_CHUNKS, default 2) when it starts (pf_end gives the end),
- * the K loop then one chunk per chunk it consumes. Bounded so the bytes in
- * flight over the whole GPU (CTAs x 2 chunks x 16 KiB) stay well inside L2. */
+ * its rows' first s_pf_chunks chunks (M3_MONO_PF_CHUNKS, default 0: none)
+ * when it starts (pf_end gives the end), the K loop then one chunk per
+ * chunk it consumes. Bounded so the bytes in flight over the whole GPU
+ * (CTAs x chunks x 16 KiB) stay well inside L2. */
 __device__ __forceinline__ int pf_end(int k0, int k1) { return min(k1, k0 + s_pf_chunks * kKC); }
 
 /* fp32 rows (the router) */
