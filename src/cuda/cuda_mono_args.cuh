@@ -169,7 +169,8 @@ constexpr int kStageBytes = 2 * kTileBytes;
 constexpr int kQOffset = 2 * kStageBytes;
 constexpr int kAttnSmem = kQOffset + kHeadTile * kRowBytes;
 constexpr int kOStride = kHD + 4;
-static_assert(kWarps * kHeadTile * (kOStride + 2) * 4 <= kQOffset, "attention merge space");
+static_assert(kWarps * kHeadTile * (kOStride + 3) * 4 + 3 * kHeadTile * 4 <= kQOffset,
+              "attention merge space");
 
 /* ================================================================ kernel unit entry points */
 
