@@ -151,8 +151,9 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 
 /* ---- exact top-k block selection (m3_select_row's total order) ----
  * One CTA of THREADS threads selects the `room` best of candidate blocks
- * [c0, c1) by score: a radix select over 64-bit keys (sel_threshold), then
- * the selected ids in ascending order (sel_compact). The stock select
+ * [c0, c1) by score: the threshold key (sel_threshold: a direct rank of up
+ * to 128 candidates, else a radix select over 64-bit keys), then the
+ * selected ids in ascending order (sel_compact). The stock select
  * kernel (cuda_index.cu) and the mono selection item (cuda_mono_attn.cuh)
  * run this code with their own CTA sizes. */
 namespace {

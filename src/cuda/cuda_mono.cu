@@ -43,11 +43,13 @@
  * staged in shared memory 1024 columns at a time (cp.async); weights
  * streamed once with 16-byte (bf16) / 8-byte (e4m3) loads, the inner loop
  * of the stock GEMV as it was before its sums were cut into chunks that do
- * not depend on the TP world (cuda_ksum.cuh). Latency: an item asks L2 for
- * its first two chunks of weight rows (cp.async.bulk.prefetch, one request
- * per row) as soon as it starts, before it waits on its inputs, and the K
- * loop keeps that prefetch two chunks ahead; each chunk's weight loads are
- * issued before its activations are staged. Routed down items cover four
+ * not depend on the TP world (cuda_ksum.cuh). Latency: each chunk's weight
+ * loads are issued before its activations are staged. An item can also ask
+ * L2 for its first chunks of weight rows (cp.async.bulk.prefetch, one
+ * request per row) when it starts, before it waits on its inputs, and keep
+ * that prefetch ahead of the K loop (M3_MONO_PF_CHUNKS; off by default:
+ * the prefetches issued when a kernel starts delayed the chain's first
+ * loads more than they saved, docs/PERF.md). Routed down items cover four
  * 8-column tiles of one expert. Narrow matrices are split over K by the
  * rule the stock linear op used before its chunk groups (1024-column
  * slices; the count depends on the shape and the SM count, never on the
