@@ -44,27 +44,19 @@
 #include <cstring>
 #include <vector>
 
+#include "core/bf16.h"          /* the host's bf16 conversion (the reference) */
 #include "cuda/cuda_async.cuh"  /* cp.async, counter loads, the global timer */
 #include "cuda/cuda_common.cuh" /* bf16 conversion, unpack8, warp sums */
-#include "core/bf16.h"         /* the host's bf16 conversion (the reference) */
-
-#define CK(x)                                                                        \
-    do {                                                                             \
-        cudaError_t e_ = (x);                                                        \
-        if (e_ != cudaSuccess) {                                                     \
-            fprintf(stderr, "chain_latency: %s: %s\n", #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                 \
-        }                                                                            \
-    } while (0)
+#include "dev_util.h"           /* DEV_CK, DevRng, dev_median, DevL2Flush */
 
 constexpr int kThreads = 256, kWarps = kThreads / 32, kMaxPhases = 8;
 enum Mode { SYNC = 0, GLOBAL, L2, SMEM, N_MODES };
 static const char *kModeName[N_MODES] = {"sync", "global", "l2", "smem"};
 
 struct Args {
-    const uint16_t *w;   /* [phases][N][N] bf16 */
-    uint16_t *x;         /* [phases + 1][N] bf16: x_0 .. x_phases */
-    unsigned *ctr;       /* [phases] */
+    const uint16_t *w;          /* [phases][N][N] bf16 */
+    uint16_t *x;                /* [phases + 1][N] bf16: x_0 .. x_phases */
+    unsigned *ctr;              /* [phases] */
     unsigned long long *t_link; /* [phases + 1]: when CTA 0 saw x_p complete (x_0: at start) */
     int n, rows, phases, mode;
 };
@@ -72,14 +64,30 @@ struct Args {
 /* wait for all but the newest `pending` groups (pending < kMaxPhases) */
 __device__ __forceinline__ void cp_wait_dyn(int pending) {
     switch (pending) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    case 6: cp_async_wait<6>(); break;
-    default: cp_async_wait<7>(); break;
+    case 0:
+        cp_async_wait<0>();
+        break;
+    case 1:
+        cp_async_wait<1>();
+        break;
+    case 2:
+        cp_async_wait<2>();
+        break;
+    case 3:
+        cp_async_wait<3>();
+        break;
+    case 4:
+        cp_async_wait<4>();
+        break;
+    case 5:
+        cp_async_wait<5>();
+        break;
+    case 6:
+        cp_async_wait<6>();
+        break;
+    default:
+        cp_async_wait<7>();
+        break;
     }
 }
 
@@ -99,8 +107,8 @@ __device__ __forceinline__ float row_dot(const uint16_t *w, const uint16_t *xs, 
 
 __global__ void __launch_bounds__(kThreads, 1) chain_kernel(const Args a) {
     extern __shared__ __align__(16) unsigned char smem[];
-    uint16_t *xs = reinterpret_cast<uint16_t *>(smem);             /* [n] */
-    uint16_t *ws = xs + a.n;                                        /* [phases][rows][n] */
+    uint16_t *xs = reinterpret_cast<uint16_t *>(smem); /* [n] */
+    uint16_t *ws = xs + a.n;                           /* [phases][rows][n] */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row0 = blockIdx.x * a.rows;
     const size_t wmat = (size_t)a.n * a.n;
@@ -179,11 +187,13 @@ int main(int argc, char **argv) {
         }
     }
     cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, 0));
+    DEV_CK(cudaGetDeviceProperties(&prop, 0));
     const int ctas = prop.multiProcessorCount, n = ctas * rows;
     if (rows < 1 || rows > 256 || phases < 1 || phases > kMaxPhases || runs < 1 || n % 8) {
-        fprintf(stderr, "chain_latency: rows %d (1..256), phases %d (1..%d), runs %d: N = %d x "
-                        "%d must be a multiple of 8\n", rows, phases, kMaxPhases, runs, ctas, rows);
+        fprintf(stderr,
+                "chain_latency: rows %d (1..256), phases %d (1..%d), runs %d: N = %d x "
+                "%d must be a multiple of 8\n",
+                rows, phases, kMaxPhases, runs, ctas, rows);
         return 2;
     }
     const size_t smem_x = (size_t)n * 2, smem_w = (size_t)phases * rows * n * 2;
@@ -195,16 +205,12 @@ int main(int argc, char **argv) {
 
     /* inputs: weights ~ U(-1, 1) / sqrt(N), so the chain's values stay O(1) */
     std::vector<uint16_t> hw((size_t)phases * n * n), hx(n);
-    uint64_t s = 0x5eedull;
-    auto rnd = [&]() {
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        return (float)((s >> 40) & 0xffffff) / (float)0x800000 - 1.0f;
-    };
+    DevRng rng(0x5eedull);
     const float scale = 1.7f / sqrtf((float)n);
     for (auto &v : hw)
-        v = m3_f32_to_bf16(rnd() * scale);
+        v = m3_f32_to_bf16(rng.uniform() * scale);
     for (auto &v : hx)
-        v = m3_f32_to_bf16(rnd());
+        v = m3_f32_to_bf16(rng.uniform());
     /* CPU reference of the chain (double sums, bf16 per link) */
     std::vector<float> ref(n), cur(n);
     for (int i = 0; i < n; i++)
@@ -221,26 +227,21 @@ int main(int argc, char **argv) {
 
     Args a{};
     uint16_t *dw, *dx;
-    CK(cudaMalloc(&dw, hw.size() * 2));
-    CK(cudaMalloc(&dx, (size_t)(phases + 1) * n * 2));
-    CK(cudaMalloc(&a.ctr, phases * sizeof(unsigned)));
-    CK(cudaMalloc(&a.t_link, (phases + 1) * sizeof(unsigned long long)));
-    CK(cudaMemcpy(dw, hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
+    DEV_CK(cudaMalloc(&dw, hw.size() * 2));
+    DEV_CK(cudaMalloc(&dx, (size_t)(phases + 1) * n * 2));
+    DEV_CK(cudaMalloc(&a.ctr, phases * sizeof(unsigned)));
+    DEV_CK(cudaMalloc(&a.t_link, (phases + 1) * sizeof(unsigned long long)));
+    DEV_CK(cudaMemcpy(dw, hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
     a.w = dw;
     a.x = dx;
     a.n = n;
     a.rows = rows;
     a.phases = phases;
     const size_t smem_max = smem_x + smem_w;
-    CK(cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)std::min(smem_max, (size_t)prop.sharedMemPerBlockOptin)));
-    /* a buffer larger than L2, read between runs, so every run starts cold */
-    size_t flush_bytes = (size_t)prop.l2CacheSize * 4;
-    void *flush;
-    CK(cudaMalloc(&flush, flush_bytes));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
+    DEV_CK(cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)std::min(smem_max, (size_t)prop.sharedMemPerBlockOptin)));
+    DevL2Flush l2(prop); /* every timed run starts cold */
+    DevTimer timer;
     int status = 0;
     printf("| mode | first link µs | later links µs | kernel µs | last x |\n"
            "|---|---|---|---|---|\n");
@@ -252,27 +253,22 @@ int main(int argc, char **argv) {
         std::vector<double> first_us, link_us, kern_us;
         double rel = 0.0;
         for (int run = 0; run < runs; run++) {
-            CK(cudaMemset(flush, run & 0xff, flush_bytes));
-            CK(cudaMemcpy(dx, hx.data(), (size_t)n * 2, cudaMemcpyHostToDevice));
-            CK(cudaMemset(dx + n, 0xff, (size_t)phases * n * 2)); /* poison: NaN */
-            CK(cudaMemset(a.ctr, 0, phases * sizeof(unsigned)));
-            CK(cudaEventRecord(e0));
+            l2.flush(run);
+            DEV_CK(cudaMemcpy(dx, hx.data(), (size_t)n * 2, cudaMemcpyHostToDevice));
+            DEV_CK(cudaMemset(dx + n, 0xff, (size_t)phases * n * 2)); /* poison: NaN */
+            DEV_CK(cudaMemset(a.ctr, 0, phases * sizeof(unsigned)));
+            timer.start();
             chain_kernel<<<ctas, kThreads, sm>>>(a);
-            CK(cudaEventRecord(e1));
-            CK(cudaGetLastError());
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            kern_us.push_back(ms * 1e3);
+            kern_us.push_back(timer.stop_us());
             std::vector<unsigned long long> t(phases + 1);
-            CK(cudaMemcpy(t.data(), a.t_link, (phases + 1) * 8, cudaMemcpyDeviceToHost));
+            DEV_CK(cudaMemcpy(t.data(), a.t_link, (phases + 1) * 8, cudaMemcpyDeviceToHost));
             first_us.push_back((t[1] - t[0]) / 1e3); /* includes the weights' arrival */
             for (int p = 1; p < phases; p++)
                 link_us.push_back((t[p + 1] - t[p]) / 1e3);
             if (mode != SYNC && run == 0) {
                 std::vector<uint16_t> got(n);
-                CK(cudaMemcpy(got.data(), dx + (size_t)phases * n, (size_t)n * 2,
-                              cudaMemcpyDeviceToHost));
+                DEV_CK(cudaMemcpy(got.data(), dx + (size_t)phases * n, (size_t)n * 2,
+                                  cudaMemcpyDeviceToHost));
                 double num = 0.0, den = 0.0;
                 for (int i = 0; i < n; i++) {
                     double d = (double)m3_bf16_to_f32(got[i]) - ref[i];
@@ -287,12 +283,8 @@ int main(int argc, char **argv) {
                 }
             }
         }
-        auto median = [](std::vector<double> &v) {
-            std::sort(v.begin(), v.end());
-            return v.empty() ? 0.0 : v[v.size() / 2];
-        };
-        printf("| %s | %.2f | %.2f | %.2f | %s |\n", kModeName[mode], median(first_us),
-               median(link_us), median(kern_us),
+        printf("| %s | %.2f | %.2f | %.2f | %s |\n", kModeName[mode], dev_median(first_us),
+               dev_median(link_us), dev_median(kern_us),
                mode == SYNC ? "-" : (rel <= 1e-2 ? "ok" : "FAIL"));
     }
     return status;

@@ -36,22 +36,14 @@
 #include <cstring>
 #include <vector>
 
+#include "core/bf16.h"          /* the host's bf16 conversion (the reference) */
 #include "cuda/cuda_async.cuh"  /* cp.async */
 #include "cuda/cuda_common.cuh" /* bf16 unpack, warp sums */
-#include "core/bf16.h"          /* the host's bf16 conversion (the reference) */
+#include "dev_util.h"           /* DEV_CK, DevRng, dev_median, DevL2Flush */
 
-#define CK(x)                                                                      \
-    do {                                                                           \
-        cudaError_t e_ = (x);                                                      \
-        if (e_ != cudaSuccess) {                                                   \
-            fprintf(stderr, "stream_core: %s: %s\n", #x, cudaGetErrorString(e_)); \
-            exit(1);                                                               \
-        }                                                                          \
-    } while (0)
-
-constexpr int kK = 6144;               /* the activation row (hidden size) */
-constexpr int kPiece = 16384;          /* bytes per piece */
-constexpr int kPieceEl = kPiece / 2;   /* bf16 per piece */
+constexpr int kK = 6144;             /* the activation row (hidden size) */
+constexpr int kPiece = 16384;        /* bytes per piece */
+constexpr int kPieceEl = kPiece / 2; /* bf16 per piece */
 constexpr int kMaxStages = 12;
 
 /* the CTA's pieces [p0, p1) of n_pieces */
@@ -193,8 +185,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
                  : "memory");
 }
 
-__global__ void tma_kernel(const uint16_t *w, long n_pieces, const uint16_t *x, float *out,
-                           int S) {
+__global__ void tma_kernel(const uint16_t *w, long n_pieces, const uint16_t *x, float *out, int S) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ __align__(8) uint64_t bars[kMaxStages];
     uint16_t *xs = reinterpret_cast<uint16_t *>(smem);
@@ -208,11 +199,12 @@ __global__ void tma_kernel(const uint16_t *w, long n_pieces, const uint16_t *x, 
     }
     __syncthreads();
     auto issue = [&](long p) { /* thread 0 */
-        if (p < p1) {
-            int s = (int)((p - p0) % S);
-            mbar_expect_tx(&bars[s], kPiece);
-            bulk_g2s(ring + (size_t)s * kPiece, w + p * kPieceEl, kPiece, &bars[s]);
-        }
+                               if (p < p1) {
+                                   int s = (int)((p - p0) % S);
+                                   mbar_expect_tx(&bars[s], kPiece);
+                                   bulk_g2s(ring + (size_t)s * kPiece, w + p * kPieceEl, kPiece,
+                                            &bars[s]);
+                               }
     };
     if (threadIdx.x == 0)
         for (int s = 0; s < S; s++)
@@ -258,34 +250,26 @@ int main(int argc, char **argv) {
         return 2;
     }
     cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, 0));
+    DEV_CK(cudaGetDeviceProperties(&prop, 0));
     const int sms = prop.multiProcessorCount;
     const size_t sizes[2] = {(size_t)1536 * kPiece, (size_t)18432 * kPiece}; /* 25, 302 MB */
     const size_t max_bytes = sizes[1];
     /* weights ~ U(-1, 1), x ~ U(-1, 1): bf16 */
     std::vector<uint16_t> hw(max_bytes / 2), hx(kK);
-    uint64_t s = 0x5eedull;
-    auto rnd = [&]() {
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        return (float)((s >> 40) & 0xffffff) / (float)0x800000 - 1.0f;
-    };
+    DevRng rng(0x5eedull);
     for (auto &v : hw)
-        v = m3_f32_to_bf16(rnd());
+        v = m3_f32_to_bf16(rng.uniform());
     for (auto &v : hx)
-        v = m3_f32_to_bf16(rnd());
+        v = m3_f32_to_bf16(rng.uniform());
     uint16_t *dw, *dx;
     float *dout;
-    CK(cudaMalloc(&dw, max_bytes));
-    CK(cudaMalloc(&dx, kK * 2));
-    CK(cudaMalloc(&dout, 4096 * sizeof(float)));
-    CK(cudaMemcpy(dw, hw.data(), max_bytes, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dx, hx.data(), kK * 2, cudaMemcpyHostToDevice));
-    const size_t flush_bytes = (size_t)prop.l2CacheSize * 4;
-    void *flush;
-    CK(cudaMalloc(&flush, flush_bytes));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
+    DEV_CK(cudaMalloc(&dw, max_bytes));
+    DEV_CK(cudaMalloc(&dx, kK * 2));
+    DEV_CK(cudaMalloc(&dout, 4096 * sizeof(float)));
+    DEV_CK(cudaMemcpy(dw, hw.data(), max_bytes, cudaMemcpyHostToDevice));
+    DEV_CK(cudaMemcpy(dx, hx.data(), kK * 2, cudaMemcpyHostToDevice));
+    DevL2Flush l2(prop); /* every timed run starts cold */
+    DevTimer timer;
 
     printf("stream_core: %s, %d SMs, %.0f MB L2; pieces of %d KB; median of %d runs, L2 "
            "flushed before each\n",
@@ -308,18 +292,17 @@ int main(int argc, char **argv) {
             int ctas, threads, stages;
         };
         const Cfg cfgs[] = {
-            {"copy", sms * 16, 512, 0},   {"ld", sms * 3, 128, 0},
-            {"cpasync", sms * 3, 128, 3}, {"cpasync", sms, 256, 12},
-            {"tma", sms * 3, 128, 2},     {"tma", sms * 3, 128, 3},
-            {"tma", sms, 256, 6},         {"tma", sms, 256, 12},
+            {"copy", sms * 16, 512, 0}, {"ld", sms * 3, 128, 0},  {"cpasync", sms * 3, 128, 3},
+            {"cpasync", sms, 256, 12},  {"tma", sms * 3, 128, 2}, {"tma", sms * 3, 128, 3},
+            {"tma", sms, 256, 6},       {"tma", sms, 256, 12},
         };
         for (const Cfg &c : cfgs) {
             const size_t smem = c.stages ? kK * 2 + (size_t)c.stages * kPiece : kK * 2;
             std::vector<double> us;
             for (int run = 0; run < runs; run++) {
-                CK(cudaMemset(flush, run & 0xff, flush_bytes));
-                CK(cudaMemset(dout, 0xff, 4096 * sizeof(float))); /* poison: NaN */
-                CK(cudaEventRecord(e0));
+                l2.flush(run);
+                DEV_CK(cudaMemset(dout, 0xff, 4096 * sizeof(float))); /* poison: NaN */
+                timer.start();
                 if (!strcmp(c.mode, "copy")) {
                     copy_kernel<<<c.ctas, c.threads>>>(reinterpret_cast<const uint4 *>(dw),
                                                        (long)(bytes / 16), dout);
@@ -327,33 +310,29 @@ int main(int argc, char **argv) {
                     ld_kernel<<<c.ctas, c.threads, smem>>>(dw, n_pieces, dx, dout);
                 } else if (!strcmp(c.mode, "cpasync")) {
                     if (c.stages == 3) {
-                        CK(cudaFuncSetAttribute(cpasync_ring_kernel<3>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                (int)smem));
+                        DEV_CK(cudaFuncSetAttribute(cpasync_ring_kernel<3>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    (int)smem));
                         cpasync_ring_kernel<3><<<c.ctas, c.threads, smem>>>(dw, n_pieces, dx, dout);
                     } else {
-                        CK(cudaFuncSetAttribute(cpasync_ring_kernel<12>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                (int)smem));
-                        cpasync_ring_kernel<12><<<c.ctas, c.threads, smem>>>(dw, n_pieces, dx,
-                                                                             dout);
+                        DEV_CK(cudaFuncSetAttribute(cpasync_ring_kernel<12>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    (int)smem));
+                        cpasync_ring_kernel<12>
+                            <<<c.ctas, c.threads, smem>>>(dw, n_pieces, dx, dout);
                     }
                 } else {
-                    CK(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)smem));
+                    DEV_CK(cudaFuncSetAttribute(
+                        tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
                     tma_kernel<<<c.ctas, c.threads, smem>>>(dw, n_pieces, dx, dout, c.stages);
                 }
-                CK(cudaEventRecord(e1));
-                CK(cudaGetLastError());
-                CK(cudaEventSynchronize(e1));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, e0, e1));
-                us.push_back(ms * 1e3);
+                us.push_back(timer.stop_us());
             }
             bool ok = true;
             if (strcmp(c.mode, "copy") != 0) {
                 std::vector<float> got(c.ctas);
-                CK(cudaMemcpy(got.data(), dout, c.ctas * sizeof(float), cudaMemcpyDeviceToHost));
+                DEV_CK(
+                    cudaMemcpy(got.data(), dout, c.ctas * sizeof(float), cudaMemcpyDeviceToHost));
                 for (int b = 0; b < c.ctas && ok; b++) {
                     long p0 = n_pieces * b / c.ctas, p1 = n_pieces * (b + 1) / c.ctas;
                     double ref = 0.0, mag = 0.0;
@@ -363,19 +342,19 @@ int main(int argc, char **argv) {
                     double tol = 1e-3 * (mag + 1.0) + 1e-2;
                     ok = std::isfinite(got[b]) && fabs(got[b] - ref) <= tol;
                     if (!ok)
-                        fprintf(stderr, "stream_core: %s S=%d CTA %d: %g, reference %g\n",
-                                c.mode, c.stages, b, got[b], ref);
+                        fprintf(stderr, "stream_core: %s S=%d CTA %d: %g, reference %g\n", c.mode,
+                                c.stages, b, got[b], ref);
                 }
                 if (!ok)
                     status = 1;
             }
-            std::sort(us.begin(), us.end());
-            double med = us[us.size() / 2];
+            const double med = dev_median(us);
             char st[32] = "-";
             if (c.stages)
                 snprintf(st, sizeof st, "%d (%d)", c.stages, c.stages * kPiece / 1024);
-            printf("| %s | %d x %d | %s | %.1f | %.2f | %.0f | %s |\n", c.mode, c.ctas, c.threads, st,
-                   bytes / 1e6, med, bytes / med / 1e3, strcmp(c.mode, "copy") ? (ok ? "ok" : "FAIL") : "-");
+            printf("| %s | %d x %d | %s | %.1f | %.2f | %.0f | %s |\n", c.mode, c.ctas, c.threads,
+                   st, bytes / 1e6, med, bytes / med / 1e3,
+                   strcmp(c.mode, "copy") ? (ok ? "ok" : "FAIL") : "-");
         }
     }
     return status;
