@@ -64,30 +64,14 @@ struct Args {
 /* wait for all but the newest `pending` groups (pending < kMaxPhases) */
 __device__ __forceinline__ void cp_wait_dyn(int pending) {
     switch (pending) {
-    case 0:
-        cp_async_wait<0>();
-        break;
-    case 1:
-        cp_async_wait<1>();
-        break;
-    case 2:
-        cp_async_wait<2>();
-        break;
-    case 3:
-        cp_async_wait<3>();
-        break;
-    case 4:
-        cp_async_wait<4>();
-        break;
-    case 5:
-        cp_async_wait<5>();
-        break;
-    case 6:
-        cp_async_wait<6>();
-        break;
-    default:
-        cp_async_wait<7>();
-        break;
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
     }
 }
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define DEV_CK(x)                                                                                  \
@@ -51,6 +52,18 @@ struct DevL2Flush {
     }
     void flush(int run) { DEV_CK(cudaMemset(buf, run & 0xff, bytes)); }
 };
+
+/* `prog [--runs N]`: N (> 0) into *runs, or a usage line and false */
+inline bool dev_runs_arg(int argc, char **argv, const char *prog, int *runs) {
+    if (argc == 3 && std::string(argv[1]) == "--runs" && atoi(argv[2]) > 0) {
+        *runs = atoi(argv[2]);
+        return true;
+    }
+    if (argc == 1)
+        return true;
+    fprintf(stderr, "usage: %s [--runs N]\n", prog);
+    return false;
+}
 
 /* Event timing of what is enqueued between start() and stop_us(): stop_us
  * also checks the launches and waits for them. */

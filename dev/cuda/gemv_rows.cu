@@ -171,12 +171,8 @@ static void launch(int version, int T, int ctas, const uint16_t *W, const uint16
 
 int main(int argc, char **argv) {
     int runs = 15;
-    if (argc == 3 && !strcmp(argv[1], "--runs"))
-        runs = atoi(argv[2]);
-    else if (argc != 1) {
-        fprintf(stderr, "usage: gemv_rows [--runs N]\n");
+    if (!dev_runs_arg(argc, argv, "gemv_rows", &runs))
         return 2;
-    }
     cudaDeviceProp prop;
     DEV_CK(cudaGetDeviceProperties(&prop, 0));
     const int N = 12288, K = 6144; /* 151 MB of bf16 weights: more than L2 */

@@ -243,12 +243,8 @@ struct Result {
 
 int main(int argc, char **argv) {
     int runs = 15;
-    if (argc == 3 && !strcmp(argv[1], "--runs"))
-        runs = atoi(argv[2]);
-    else if (argc != 1) {
-        fprintf(stderr, "usage: stream_core [--runs N]\n");
+    if (!dev_runs_arg(argc, argv, "stream_core", &runs))
         return 2;
-    }
     cudaDeviceProp prop;
     DEV_CK(cudaGetDeviceProperties(&prop, 0));
     const int sms = prop.multiProcessorCount;
