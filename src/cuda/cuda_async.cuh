@@ -419,6 +419,57 @@ __device__ __forceinline__ void attn_warp_tile(WarpAttn<D> &w, const unsigned ch
     }
 }
 
+/* The CTA's warps' softmax states merged per head (a state takes part iff
+ * its sum is not 0: NaN takes part), after each warp wrote its o rows
+ * (s_o: [WARPS][HT heads][ostride] fp32), maxima and sums (s_m, s_l:
+ * [WARPS][HT]). Per head, once: the max over the warps taking part, each
+ * one's factor exp2(m - max) and the sum L in warp order; then each of the
+ * nh x D outputs sums factor x o over those warps in warp order and calls
+ * out(r, d, acc, M, L, any) (M = -inf, L = 0, any = false when no warp saw
+ * a key). The same operations in the same order as every output redoing
+ * its head's max and factors, which took 5.4 µs of the mono attention item
+ * (docs/PERF.md, ninth session). The stock attention kernel and the mono
+ * attention item both call it. scratch: WARPS x HT + 3 x HT words. */
+template <int D, int WARPS, int THREADS, int HT, typename Out>
+__device__ void attn_merge_warps(const float *s_o, int ostride, const float *s_m,
+                                 const float *s_l, float *scratch, int nh, Out out) {
+    float *s_f = scratch;           /* [HT][WARPS] */
+    float *s_hm = s_f + HT * WARPS; /* [HT]: M */
+    float *s_hl = s_hm + HT;        /* [HT]: L */
+    int *s_hv = reinterpret_cast<int *>(s_hl + HT); /* [HT]: warps taking part */
+    for (int r = threadIdx.x; r < nh; r += THREADS) {
+        float M = -INFINITY, L = 0.0f;
+        int valid = 0;
+        for (int v = 0; v < WARPS; v++)
+            if (s_l[v * HT + r] != 0.0f) {
+                valid |= 1 << v;
+                M = fmaxf(M, s_m[v * HT + r]);
+            }
+        const float ref = M == -INFINITY ? 0.0f : M;
+        for (int v = 0; v < WARPS; v++) {
+            const float lv = s_l[v * HT + r];
+            if (lv != 0.0f) {
+                const float f = exp2f(s_m[v * HT + r] - ref);
+                L += f * lv;
+                s_f[r * WARPS + v] = f;
+            }
+        }
+        s_hm[r] = M;
+        s_hl[r] = L;
+        s_hv[r] = valid;
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < nh * D; x += THREADS) {
+        const int r = x / D, d = x % D, valid = s_hv[r];
+        float acc = 0.0f;
+#pragma unroll
+        for (int v = 0; v < WARPS; v++)
+            if (valid & (1 << v))
+                acc += s_f[r * WARPS + v] * s_o[(v * HT + r) * ostride + d];
+        out(r, d, acc, s_hm[r], s_hl[r], valid != 0);
+    }
+}
+
 } // namespace
 
 #endif

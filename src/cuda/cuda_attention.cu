@@ -57,8 +57,10 @@ struct AttnCfg {
     static constexpr int kQOffset = 2 * kStageBytes;   /* two stages */
     static constexpr int kSmem = kQOffset + kHeadTile * kRowBytes;
     static constexpr int kOStride = D + 4; /* the merge's fp32 rows */
-    /* the merge reuses the stages: 4 warps x 16 rows x kOStride + m, l */
-    static_assert(kAttnWarps * kHeadTile * (kOStride + 2) * 4 <= kQOffset, "merge space");
+    /* the merge reuses the stages: 4 warps x 16 rows x kOStride + m, l,
+     * and attn_merge_warps' factors and per-head sums */
+    static_assert(kAttnWarps * kHeadTile * (kOStride + 3) * 4 + 3 * kHeadTile * 4 <= kQOffset,
+                  "merge space");
 };
 
 struct AttnArgs {
@@ -213,39 +215,24 @@ __device__ void attn_finish(const AttnArgs &a, const AttnCta &c, WarpAttn<D> &w,
             s_l[warp * kHeadTile + g + 8 * r] = w.l[r];
         }
     __syncthreads();
-    for (int x = threadIdx.x; x < c.nh * D; x += kAttnThreads) {
-        int r = x / D, d = x % D;
-        float M = -INFINITY, L = 0.0f, acc = 0.0f;
-        bool any = false;
-        for (int v = 0; v < kAttnWarps; v++)
-            if (s_l[v * kHeadTile + r] != 0.0f) {
+    attn_merge_warps<D, kAttnWarps, kAttnThreads, kHeadTile>(
+        s_o, C::kOStride, s_m, s_l, s_l + kAttnWarps * kHeadTile, c.nh,
+        [&](int r, int d, float acc, float M, float L, bool any) {
+            if (c.poisoned) {
                 any = true;
-                M = fmaxf(M, s_m[v * kHeadTile + r]);
+                M = -INFINITY;
+                L = acc = m3_qnan();
             }
-        float ref = M == -INFINITY ? 0.0f : M;
-        for (int v = 0; v < kAttnWarps; v++) {
-            float lv = s_l[v * kHeadTile + r];
-            if (lv != 0.0f) {
-                float f = exp2f(s_m[v * kHeadTile + r] - ref);
-                L += f * lv;
-                acc += f * s_o[(v * kHeadTile + r) * C::kOStride + d];
+            int64_t head = (int64_t)c.t * a.q_heads + c.h0 + r;
+            if (a.splits == 1) {
+                a.out[head * D + d] = any ? m3_to_bf(acc / L) : (uint16_t)0;
+            } else {
+                int64_t p = head * a.splits + c.split;
+                a.part_acc[p * D + d] = acc;
+                if (d == 0)
+                    a.part_ml[p] = make_float2(any ? M : -INFINITY, any ? L : 0.0f);
             }
-        }
-        if (c.poisoned) {
-            any = true;
-            M = -INFINITY;
-            L = acc = m3_qnan();
-        }
-        int64_t head = (int64_t)c.t * a.q_heads + c.h0 + r;
-        if (a.splits == 1) {
-            a.out[head * D + d] = any ? m3_to_bf(acc / L) : (uint16_t)0;
-        } else {
-            int64_t p = head * a.splits + c.split;
-            a.part_acc[p * D + d] = acc;
-            if (d == 0)
-                a.part_ml[p] = make_float2(any ? M : -INFINITY, any ? L : 0.0f);
-        }
-    }
+        });
 }
 
 /* Grid: rows x kv_heads x mtiles x splits (split fastest). */

@@ -178,56 +178,20 @@ __device__ void attn_partial(const MonoArgs &a, const AttnCta &c, WarpAttn<kHD> 
             s_l[warp * kHeadTile + g + 8 * r] = w.l[r];
         }
     __syncthreads();
-    /* Per head, once: the max over the warps that saw keys, each warp's
-     * factor and the sum L (the same operations in the same warp order as
-     * when every one of a head's 128 outputs redid them: 5.4 µs of the
-     * attention item in the ninth session's marks). */
-    float *s_f = s_l + kWarps * kHeadTile;   /* [kHeadTile][kWarps] */
-    float *s_hm = s_f + kHeadTile * kWarps;  /* [kHeadTile]: M */
-    float *s_hl = s_hm + kHeadTile;          /* [kHeadTile]: L */
-    int *s_hv = reinterpret_cast<int *>(s_hl + kHeadTile); /* [kHeadTile]: warps taking part */
-    for (int r = threadIdx.x; r < c.nh; r += kThreads) {
-        float M = -INFINITY, L = 0.0f;
-        int valid = 0;
-        for (int v = 0; v < kWarps; v++)
-            if (s_l[v * kHeadTile + r] != 0.0f) {
-                valid |= 1 << v;
-                M = fmaxf(M, s_m[v * kHeadTile + r]);
+    attn_merge_warps<kHD, kWarps, kThreads, kHeadTile>(
+        s_o, kOStride, s_m, s_l, s_l + kWarps * kHeadTile, c.nh,
+        [&](int r, int d, float acc, float M, float L, bool any) {
+            if (c.poisoned) {
+                any = true;
+                M = -INFINITY;
+                L = acc = m3_qnan();
             }
-        float ref = M == -INFINITY ? 0.0f : M;
-        for (int v = 0; v < kWarps; v++) {
-            float lv = s_l[v * kHeadTile + r];
-            if (lv != 0.0f) {
-                float f = exp2f(s_m[v * kHeadTile + r] - ref);
-                L += f * lv;
-                s_f[r * kWarps + v] = f;
-            }
-        }
-        s_hm[r] = M;
-        s_hl[r] = L;
-        s_hv[r] = valid;
-    }
-    __syncthreads();
-    for (int x = threadIdx.x; x < c.nh * kHD; x += kThreads) {
-        int r = x / kHD, d = x % kHD;
-        const int valid = s_hv[r];
-        float M = s_hm[r], L = s_hl[r], acc = 0.0f;
-        bool any = valid != 0;
-#pragma unroll
-        for (int v = 0; v < kWarps; v++)
-            if (valid & (1 << v))
-                acc += s_f[r * kWarps + v] * s_o[(v * kHeadTile + r) * kOStride + d];
-        if (c.poisoned) {
-            any = true;
-            M = -INFINITY;
-            L = acc = m3_qnan();
-        }
-        int64_t head = (int64_t)c.t * a.Nq + c.h0 + r;
-        int64_t p = head * a.S + c.split;
-        a.att_acc[p * kHD + d] = acc;
-        if (d == 0)
-            a.att_ml[p] = make_float2(any ? M : -INFINITY, any ? L : 0.0f);
-    }
+            int64_t head = (int64_t)c.t * a.Nq + c.h0 + r;
+            int64_t p = head * a.S + c.split;
+            a.att_acc[p * kHD + d] = acc;
+            if (d == 0)
+                a.att_ml[p] = make_float2(any ? M : -INFINITY, any ? L : 0.0f);
+        });
 }
 
 /* The group's S partials, in split order, into the bf16 output (zeros when
