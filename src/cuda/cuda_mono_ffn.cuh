@@ -87,8 +87,9 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
     const bool staged = koff + (size_t)kWarps * E * 8 <= (size_t)a.smem;
     float *wkey = reinterpret_cast<float *>(dsm + koff) + (size_t)warp * 2 * E, *wsig = wkey + E;
     for (int t = warp; t < a.T; t += kWarps) {
-        if (a.slots[t] < 0)
-            continue;
+        /* the slot's load and the keys' in flight together (a padded row's
+         * logits are written too, so staging them is harmless) */
+        const bool padded = a.slots[t] < 0;
         const float *l = a.logits + (size_t)t * E;
         if (staged) {
 #pragma unroll 4
@@ -100,19 +101,25 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
             }
             __syncwarp();
         }
+        if (padded)
+            continue;
+        /* K rounds of a warp argmax. Staged keys taken in an earlier round
+         * are overwritten with NaN, which no comparison below lets win (a
+         * NaN logit's key is staged as -inf, so NaN only marks "taken"):
+         * no per-key scan of the earlier rounds' picks. */
         for (int round = 0; round < K; round++) {
             float bk = -INFINITY;
             int bi = INT_MAX;
             for (int e = lane; e < E; e += 32) {
-                bool taken = false;
-                for (int q = 0; q < round; q++)
-                    taken |= ctl.rid[warp][q] == e;
-                if (taken)
-                    continue;
                 float key;
                 if (staged) {
                     key = wkey[e];
                 } else {
+                    bool taken = false;
+                    for (int q = 0; q < round; q++)
+                        taken |= ctl.rid[warp][q] == e;
+                    if (taken)
+                        continue;
                     key = m3_sigmoid(__ldcg(l + e)) + (a.rbias ? __ldg(a.rbias + e) : 0.0f);
                     if (isnan(key))
                         key = -INFINITY;
@@ -130,21 +137,26 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
                     bi = oi;
                 }
             }
-            if (lane == 0)
+            if (lane == 0) {
                 ctl.rid[warp][round] = bi;
+                if (staged)
+                    wkey[bi] = m3_qnan();
+            }
             __syncwarp();
         }
-        if (lane == 0) {
-            float s[kMaxTopE], sum = 0.0f;
-            for (int i = 0; i < K; i++) {
-                s[i] = staged ? wsig[ctl.rid[warp][i]] : m3_sigmoid(__ldcg(l + ctl.rid[warp][i]));
-                sum += s[i];
-            }
-            for (int i = 0; i < K; i++) {
-                a.rids[t * K + i] = ctl.rid[warp][i];
-                a.rw[t * K + i] = s[i] / sum;
-                pid[t * K + i] = ctl.rid[warp][i];
-            }
+        /* weights s_i / sum s: every lane sums in pick order (the same bits
+         * as one lane would get), lane i writes pick i */
+        float sum = 0.0f;
+        for (int i = 0; i < K; i++) {
+            const int id = ctl.rid[warp][i];
+            sum += staged ? wsig[id] : m3_sigmoid(__ldcg(l + id));
+        }
+        if (lane < K) {
+            const int id = ctl.rid[warp][lane];
+            const float sg = staged ? wsig[id] : m3_sigmoid(__ldcg(l + id));
+            a.rids[t * K + lane] = id;
+            a.rw[t * K + lane] = sg / sum;
+            pid[t * K + lane] = id;
         }
         __syncwarp();
     }
