@@ -398,10 +398,11 @@ extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     size_t cublas_ws = (size_t)32 << 20;
     if (!st && (err = cudaMalloc(&cu->cublas_workspace, cublas_ws)) != cudaSuccess)
         st = m3_cuda_error(err, "cudaMalloc(cuBLAS workspace)", __FILE__, __LINE__);
-    /* zeroed once: cuBLAS's split-K reduce reads parts of its workspace it
-     * has not written (compute-sanitizer initcheck: 1.45 million reports,
-     * all inside cublasLt::splitKreduce_kernel); defined contents make runs
-     * repeatable and the check usable on our own kernels */
+    /* zeroed once: compute-sanitizer initcheck reported 1.45 million reads
+     * of this workspace as uninitialised, all inside cuBLAS's split-K
+     * reduce (either bytes cuBLAS never writes, or writes the tool does not
+     * see); with defined contents none are reported (docs/PERF.md, tenth
+     * session) and the check stays usable on our own kernels */
     if (!st && (err = cudaMemsetAsync(cu->cublas_workspace, 0, cublas_ws, cu->stream)) !=
                    cudaSuccess)
         st = m3_cuda_error(err, "zeroing the cuBLAS workspace", __FILE__, __LINE__);
