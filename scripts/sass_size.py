@@ -22,21 +22,14 @@ import argparse
 import collections
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_diff import nvdisasm  # noqa: E402 (the same lookup: $NVDISASM, PATH, CUDA)
+
 DEF = re.compile(r"^(?:template <[^>]*>\s*)?(?:static\s+)?__(?:device|global)__[^(]*?(\w+)\s*\(")
-
-
-def nvdisasm():
-    path = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
-    if not path and os.path.exists("/usr/local/cuda/bin/nvdisasm"):
-        path = "/usr/local/cuda/bin/nvdisasm"
-    if not path:
-        sys.exit("sass_size: nvdisasm not found (set NVDISASM)")
-    return path
 
 
 def line_counts(cubin, name):
