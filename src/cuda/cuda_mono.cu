@@ -44,12 +44,11 @@
  * streamed once with 16-byte (bf16) / 8-byte (e4m3) loads, the inner loop
  * of the stock GEMV as it was before its sums were cut into chunks that do
  * not depend on the TP world (cuda_ksum.cuh). Latency: each chunk's weight
- * loads are issued before its activations are staged. An item can also ask
- * L2 for its first chunks of weight rows (cp.async.bulk.prefetch, one
- * request per row) when it starts, before it waits on its inputs, and keep
- * that prefetch ahead of the K loop (M3_MONO_PF_CHUNKS; off by default:
- * the prefetches issued when a kernel starts delayed the chain's first
- * loads more than they saved, docs/PERF.md). Routed down items cover four
+ * loads are issued before its activations are staged. (Asking L2 for an
+ * item's weights when it starts, before it waits on its inputs, was
+ * measured and removed: the prefetches issued when a kernel starts delayed
+ * the chain's first loads more than they saved, docs/PERF.md; the router's
+ * 3 MB of fp32 rows are still asked for.) Routed down items cover four
  * 8-column tiles of one expert. Narrow matrices are split over K by the
  * rule the stock linear op used before its chunk groups (1024-column
  * slices; the count depends on the shape and the SM count, never on the
@@ -140,7 +139,7 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
-    int spin_ns, pf_chunks, poll_acquire, stage_async; /* tuning knobs (see m3_cuda_mono_create) */
+    int spin_ns, poll_acquire; /* tuning knobs (see m3_cuda_mono_create) */
 };
 
 #define MONO_FAIL(st, ...) m3_fail((st), "mono: " __VA_ARGS__)
@@ -294,18 +293,12 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * count is correct: every dependency points to an earlier item) */
     m->P = env_int("M3_MONO_CTAS", m->P, 1, m->P);
     /* M3_MONO_SPIN_NS: a waiting CTA's sleep between polls of a counter;
-     * M3_MONO_PF_CHUNKS: how many 1024-column chunks ahead a GEMV item asks
-     * L2 for its weights (default 0, none: the prefetches issued when the
-     * kernels start delay the chain's first loads, and no item gained from
-     * them; 2-3% at one row in the fourth and ninth sessions' A/Bs);
-     * M3_MONO_POLL_ACQUIRE=1: every poll an
-     * acquire load; M3_MONO_STAGE_ASYNC=0: GEMV activations staged by
-     * load + store instead of cp.async. None changes results. Out-of-range
-     * values keep the defaults (docs/PERF.md has the measurements). */
+     * M3_MONO_POLL_ACQUIRE=1: every poll an acquire load. Neither changes
+     * results; out-of-range values keep the defaults (docs/PERF.md has the
+     * measurements, and those of the knobs measured and removed: the L2
+     * weight prefetch and the staging loop). */
     m->spin_ns = env_int("M3_MONO_SPIN_NS", 64, 0, 1000000);
-    m->pf_chunks = env_int("M3_MONO_PF_CHUNKS", 0, 0, 6);
     m->poll_acquire = env_int("M3_MONO_POLL_ACQUIRE", 0, 0, 1);
-    m->stage_async = env_int("M3_MONO_STAGE_ASYNC", 1, 0, 1);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -750,9 +743,7 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.peers = m->peers_dev;
     a.landing = m->landing;
     a.spin_ns = m->spin_ns;
-    a.pf_chunks = m->pf_chunks;
     a.poll_acquire = m->poll_acquire;
-    a.stage_async = m->stage_async;
     a.trace = m->tracing ? m->trace : NULL;
     a.trace_n = m->trace_n;
     a.trace_cap = m->trace_cap;

@@ -119,10 +119,9 @@ struct MonoArgs {
     int *fault;
     uint2 *const *peers; /* [world] landing areas, rank order */
     uint2 *landing;      /* this rank's */
-    /* tuning knobs (M3_MONO_SPIN_NS, M3_MONO_PF_CHUNKS; see cuda_mono.cu) */
-    int spin_ns, pf_chunks;
+    /* tuning knobs (see cuda_mono.cu) */
+    int spin_ns;      /* M3_MONO_SPIN_NS */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed polls, one acquire) */
-    int stage_async;  /* M3_MONO_STAGE_ASYNC (default 1): GEMV activations staged with cp.async */
     /* item trace (M3_MONO_TRACE): [cap] x {meta, start ns, end ns, inputs ready ns} */
     unsigned long long *trace;
     unsigned *trace_n;

@@ -41,15 +41,13 @@ __device__ void fault_set(int *f, int code, int layer, int row, long long value)
 
 /* Per-CTA copies of the launch's knobs (set by the kernels' prologue) and
  * the time the current item's last wait ended (the item trace). */
-__shared__ int s_spin_ns, s_pf_chunks, s_poll_acquire, s_stage_async;
+__shared__ int s_spin_ns, s_poll_acquire;
 __shared__ unsigned long long s_t_ready;
 
 __device__ __forceinline__ void knobs_init(const MonoArgs &a) {
     if (threadIdx.x == 0) {
         s_spin_ns = a.spin_ns;
-        s_pf_chunks = a.pf_chunks;
         s_poll_acquire = a.poll_acquire;
-        s_stage_async = a.stage_async;
     }
     __syncthreads();
 }
@@ -214,32 +212,20 @@ __device__ __forceinline__ WRow wrow_expert(const WExp &x, int e) {
 }
 
 /* Rows [0, NR) of the activations' chunk [kc, kc + kn) into xs [NR][kKC]
- * (rows >= rows and columns >= kn are zero). L2 loads: the rows were
- * written by other CTAs of this launch. */
+ * (rows >= rows and columns >= kn are zero) with cp.async: every piece in
+ * flight at once, no registers (a load + shared store loop waits for each
+ * load before its store: 6% slower at 16 rows, docs/PERF.md). L2 reads:
+ * the rows were written by other CTAs of this launch. */
 template <int NR>
 __device__ __forceinline__ void stage_x(uint16_t *xs, const uint16_t *const *rowp, int rows,
                                         int kc, int kn) {
-    if (s_stage_async) {
-        /* cp.async (L2, no registers): every piece in flight at once, where
-         * the load + shared store loop below waits for each load before its
-         * store (the loop is not unrolled): 6% faster at 16 rows, the
-         * default (M3_MONO_STAGE_ASYNC=0 for the loop) */
-        for (int i = threadIdx.x; i < NR * (kKC / 8); i += kThreads) {
-            int t = i / (kKC / 8), c = (i % (kKC / 8)) * 8;
-            bool in = t < rows && c < kn;
-            cp_async16(xs + t * kKC + c, in ? rowp[t] + kc + c : rowp[0], in);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        return;
-    }
     for (int i = threadIdx.x; i < NR * (kKC / 8); i += kThreads) {
         int t = i / (kKC / 8), c = (i % (kKC / 8)) * 8;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (t < rows && c < kn)
-            v = __ldcg(reinterpret_cast<const uint4 *>(rowp[t] + kc + c));
-        *reinterpret_cast<uint4 *>(xs + t * kKC + c) = v;
+        bool in = t < rows && c < kn;
+        cp_async16(xs + t * kKC + c, in ? rowp[t] + kc + c : rowp[0], in);
     }
+    cp_async_commit();
+    cp_async_wait<0>();
 }
 
 /* L2 prefetch of [p, p + bytes) (one bulk request, no registers, nothing
@@ -248,41 +234,9 @@ __device__ __forceinline__ void l2_prefetch(const void *p, uint32_t bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
-/* Ask L2 for rows [n0, n0 + nr) (those < N) of W over columns [k0, k1):
- * threads first_thread .. + nr - 1, one request per row (and one per row's MXFP8
- * scales, trimmed to whole 16-byte pieces). Issued when an item starts,
- * before it waits on its inputs: the item's weight bytes are all in flight
- * at once and the K loop's loads then hit L2. k0 is a multiple of kKC and
- * K of 32, so the weight requests are whole 16-byte pieces. */
-__device__ __forceinline__ void prefetch_row(const WRow &W, int64_t n, int64_t N, int k0, int k1) {
-    if (n >= N || k1 <= k0)
-        return;
-    const int64_t esz = W.fp8 ? 1 : 2;
-    l2_prefetch(W.w + n * W.w_row + (int64_t)k0 * esz, (uint32_t)((int64_t)(k1 - k0) * esz));
-    if (W.fp8) {
-        uintptr_t b = (uintptr_t)(W.s + n * W.s_row + k0 / 32), e = b + (k1 - k0) / 32;
-        b = (b + 15) & ~(uintptr_t)15;
-        e &= ~(uintptr_t)15;
-        if (e > b)
-            l2_prefetch((const void *)b, (uint32_t)(e - b));
-    }
-}
-
-__device__ __forceinline__ void prefetch_rows(const WRow &W, int64_t n0, int nr, int64_t N, int k0,
-                                              int k1, int first_thread = 0) {
-    const int i = (int)threadIdx.x - first_thread;
-    if (i >= 0 && i < nr)
-        prefetch_row(W, n0 + i, N, k0, k1);
-}
-
-/* How far ahead of the K loop weights are asked for: an item prefetches
- * its rows' first s_pf_chunks chunks (M3_MONO_PF_CHUNKS, default 0: none)
- * when it starts (pf_end gives the end), the K loop then one chunk per
- * chunk it consumes. Bounded so the bytes in flight over the whole GPU
- * (CTAs x chunks x 16 KiB) stay well inside L2. */
-__device__ __forceinline__ int pf_end(int k0, int k1) { return min(k1, k0 + s_pf_chunks * kKC); }
-
-/* fp32 rows (the router) */
+/* Ask L2 for the router tile's fp32 rows [n0, n0 + nr) (those < N) over
+ * columns [k0, k1), one request per row, when the item starts (before it
+ * waits for norm2): 3 MB, read once per layer. */
 __device__ __forceinline__ void prefetch_rows_f32(const float *w, int64_t K, int64_t n0, int nr,
                                                   int64_t N, int k0, int k1) {
     const int i = threadIdx.x;
@@ -363,11 +317,6 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
                                            int lane) {
     for (int kc = k0; kc < k1; kc += kKC) {
         int kn = min(kKC, k1 - kc);
-        /* keep the L2 prefetch s_pf_chunks chunks ahead (the item asked for
-         * the first ones when it started) */
-        const int kp = kc + s_pf_chunks * kKC;
-        if (kp > kc && kp < k1 && lane < kRW)
-            prefetch_row(W, n0 + lane, N, kp, min(k1, kp + kKC));
         WBuf<FP8> b;
         chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */
         __syncthreads(); /* the previous chunk (or item) is consumed */

@@ -17,8 +17,6 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     const int KQ = a.Nq * kHD;
     int k0, k1;
     k_slice(KQ, a.s_o, slice, &k0, &k1);
-    if (!faulted) /* while attention runs */
-        prefetch_rows(wrow_of(a.wo), (int64_t)tile * kTile, kTile, a.H, k0, pf_end(k0, k1));
     wait_count(&a.ctr[C_ATT], (unsigned)(a.T * a.Nkv * a.mtiles));
     set_rows(ctl, a.attn, KQ, a.T);
     const int warp = threadIdx.x >> 5;
@@ -309,10 +307,6 @@ __device__ void shgu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     const int tile = item / a.s_shgu, slice = item % a.s_shgu;
     int k0, k1;
     k_slice(a.H, a.s_shgu, slice, &k0, &k1);
-    if (!faulted) {
-        prefetch_rows(wrow_of(a.shg), (int64_t)tile * 4, 4, a.Is, k0, pf_end(k0, k1), 0);
-        prefetch_rows(wrow_of(a.shu), (int64_t)tile * 4, 4, a.Is, k0, pf_end(k0, k1), 4);
-    }
     wait_count(&a.ctr[C_NORM2], (unsigned)a.T);
     set_rows(ctl, a.x2, a.H, a.T);
     const int warp = threadIdx.x >> 5;
@@ -338,8 +332,6 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     const int tile = item / a.s_shdn, slice = item % a.s_shdn;
     int k0, k1;
     k_slice(a.Is, a.s_shdn, slice, &k0, &k1);
-    if (!faulted)
-        prefetch_rows(wrow_of(a.shd), (int64_t)tile * kTile, kTile, a.H, k0, pf_end(k0, k1));
     wait_count(&a.ctr[C_SHGU], (unsigned)(a.Is / 4));
     set_rows(ctl, a.sh_act, a.Is, a.T);
     const int warp = threadIdx.x >> 5;
@@ -364,8 +356,6 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
     const int warp = threadIdx.x >> 5;
     if (!faulted) {
         const int e = __ldcg(a.uniq + u), f0 = __ldcg(a.ufirst + u), f1 = __ldcg(a.ufirst + u + 1);
-        prefetch_rows(wrow_expert(a.eg, e), (int64_t)tile * 4, 4, a.I, 0, pf_end(0, a.H), 0);
-        prefetch_rows(wrow_expert(a.eu, e), (int64_t)tile * 4, 4, a.I, 0, pf_end(0, a.H), 4);
         const WRow W = wrow_expert(warp < 2 ? a.eg : a.eu, e);
         const int64_t n0 = tile * 4 + (warp & 1) * kRW;
         for (int g0 = f0; g0 < f1; g0 += ENR) {
@@ -412,8 +402,6 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
         e = __ldcg(a.uniq + u);
         f0 = __ldcg(a.ufirst + u);
         f1 = __ldcg(a.ufirst + u + 1);
-        prefetch_rows(wrow_expert(a.ed, e), (int64_t)tile0 * kTile, ntile * kTile, a.H, 0,
-                      pf_end(0, a.I));
     }
     wait_count(&a.ctr[a.o_egu + u], (unsigned)(a.I / 4));
     for (int j = 0; j < ntile; j++) {

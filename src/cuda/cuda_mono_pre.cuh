@@ -125,8 +125,6 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     const int slice = local % s, tile = base / kTile + local / s;
     int k0, k1;
     k_slice(a.H, s, slice, &k0, &k1);
-    if (!faulted)
-        prefetch_rows(wrow_of(*m), tile * kTile - base, kTile, m->n, k0, pf_end(k0, k1));
     wait_count(&a.ctr[C_NORM1], (unsigned)a.T);
     set_rows(ctl, a.x1, a.H, a.T);
     const int warp = threadIdx.x >> 5;
