@@ -15,6 +15,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cuda/cuda_common.cuh"
+
 __device__ __forceinline__ uint32_t smem_u32(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
@@ -426,13 +428,15 @@ __device__ __forceinline__ void attn_warp_tile(WarpAttn<D> &w, const unsigned ch
  * one's factor exp2(m - max) and the sum L in warp order; then each of the
  * nh x D outputs sums factor x o over those warps in warp order and calls
  * out(r, d, acc, M, L, any) (M = -inf, L = 0, any = false when no warp saw
- * a key). The same operations in the same order as every output redoing
- * its head's max and factors, which took 5.4 µs of the mono attention item
- * (docs/PERF.md, ninth session). The stock attention kernel and the mono
+ * a key; poisoned, when the CTA read a page outside the pool: acc = L =
+ * NaN, M = -inf, any = true for every output). The same operations in the
+ * same order as every output redoing its head's max and factors, which
+ * took 5.4 µs of the mono attention item (docs/PERF.md, ninth session). The stock attention kernel and the mono
  * attention item both call it. scratch: WARPS x HT + 3 x HT words. */
 template <int D, int WARPS, int THREADS, int HT, typename Out>
 __device__ void attn_merge_warps(const float *s_o, int ostride, const float *s_m,
-                                 const float *s_l, float *scratch, int nh, Out out) {
+                                 const float *s_l, float *scratch, int nh, bool poisoned,
+                                 Out out) {
     float *s_f = scratch;           /* [HT][WARPS] */
     float *s_hm = s_f + HT * WARPS; /* [HT]: M */
     float *s_hl = s_hm + HT;        /* [HT]: L */
@@ -466,7 +470,10 @@ __device__ void attn_merge_warps(const float *s_o, int ostride, const float *s_m
         for (int v = 0; v < WARPS; v++)
             if (valid & (1 << v))
                 acc += s_f[r * WARPS + v] * s_o[(v * HT + r) * ostride + d];
-        out(r, d, acc, s_hm[r], s_hl[r], valid != 0);
+        if (poisoned) /* a poisoned page: NaN that takes part in the merge */
+            out(r, d, m3_qnan(), -INFINITY, m3_qnan(), true);
+        else
+            out(r, d, acc, s_hm[r], s_hl[r], valid != 0);
     }
 }
 

@@ -216,13 +216,8 @@ __device__ void attn_finish(const AttnArgs &a, const AttnCta &c, WarpAttn<D> &w,
         }
     __syncthreads();
     attn_merge_warps<D, kAttnWarps, kAttnThreads, kHeadTile>(
-        s_o, C::kOStride, s_m, s_l, s_l + kAttnWarps * kHeadTile, c.nh,
+        s_o, C::kOStride, s_m, s_l, s_l + kAttnWarps * kHeadTile, c.nh, c.poisoned,
         [&](int r, int d, float acc, float M, float L, bool any) {
-            if (c.poisoned) {
-                any = true;
-                M = -INFINITY;
-                L = acc = m3_qnan();
-            }
             int64_t head = (int64_t)c.t * a.q_heads + c.h0 + r;
             if (a.splits == 1) {
                 a.out[head * D + d] = any ? m3_to_bf(acc / L) : (uint16_t)0;

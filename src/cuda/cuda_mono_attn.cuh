@@ -179,13 +179,8 @@ __device__ void attn_partial(const MonoArgs &a, const AttnCta &c, WarpAttn<kHD> 
         }
     __syncthreads();
     attn_merge_warps<kHD, kWarps, kThreads, kHeadTile>(
-        s_o, kOStride, s_m, s_l, s_l + kWarps * kHeadTile, c.nh,
+        s_o, kOStride, s_m, s_l, s_l + kWarps * kHeadTile, c.nh, c.poisoned,
         [&](int r, int d, float acc, float M, float L, bool any) {
-            if (c.poisoned) {
-                any = true;
-                M = -INFINITY;
-                L = acc = m3_qnan();
-            }
             int64_t head = (int64_t)c.t * a.Nq + c.h0 + r;
             int64_t p = head * a.S + c.split;
             a.att_acc[p * kHD + d] = acc;
