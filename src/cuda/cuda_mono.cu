@@ -275,6 +275,20 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
         return MONO_FAIL(M3_ERR_UNSUPPORTED, "%d index heads need %zu bytes of shared memory",
                          Ni, smem);
     }
+    /* the norms' rows (residual, addend, weight) and the routing plan's
+     * staged keys (2 x E floats per warp) always fit: the kernels have no
+     * second path for them (norm_row, route_and_plan) */
+    const size_t norm_bytes = 6 * (size_t)H;
+    const size_t route_bytes = plan_key_offset() + (size_t)kWarps * E * 8;
+    smem = smem > norm_bytes ? smem : norm_bytes;
+    smem = smem > route_bytes ? smem : route_bytes;
+    if (smem > 227 * 1024) {
+        free(m);
+        return MONO_FAIL(M3_ERR_UNSUPPORTED,
+                         "hidden size %d with %d experts needs %zu bytes of shared memory per "
+                         "CTA (at most 232448)",
+                         H, E, smem);
+    }
     m->smem = smem;
     m->sel_staged = sel_min + (size_t)max_blocks * 4 <= smem;
     int occ = INT_MAX;

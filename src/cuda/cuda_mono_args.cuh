@@ -155,6 +155,12 @@ struct Ctl {
 
 constexpr int kIdxHeadsPerPass = 4;
 
+/* route_and_plan's shared memory: the assignments' experts and their sorted
+ * order (2 x kMaxAssign ints), then each warp's staged keys and sigmoids */
+__host__ __device__ constexpr size_t plan_key_offset() {
+    return (2 * (size_t)kMaxAssign * sizeof(int) + 15) / 16 * 16;
+}
+
 __host__ __device__ __forceinline__ int idx_row_bytes() { return kHD * 2 + 16; }
 
 static inline size_t idx_smem(int heads) {

@@ -492,13 +492,13 @@ __device__ __forceinline__ void set_rows(Ctl &ctl, const uint16_t *base, int64_t
  * (squares summed in double, each thread over its vectors v = tid, tid +
  * 128, ... in order, then the CTA's sum; the mean rounded once).
  *
- * Latency: when the row fits shared memory (3 x H bf16 <= a.smem; dsm),
- * the residual, the addend and the norm weight are copied in with cp.async,
- * all in flight at once (one memory round trip for the whole row), and both
- * passes work from shared memory; otherwise the loads of kNormU vectors per
- * thread are issued together. */
-constexpr int kNormU = 2;
-
+ * Latency: the residual, the addend and the norm weight are copied into
+ * shared memory (dsm: 3 x H bf16, which m3_cuda_mono_create sizes the
+ * launch for) with cp.async, all in flight at once (one memory round trip
+ * for the whole row), and both passes work from there. (A second path for
+ * rows that did not fit, never taken at real widths, was removed: the code
+ * the kernels carry costs time even where it does not run, docs/PERF.md,
+ * eleventh session.) */
 template <typename Add8>
 __device__ void norm_row(const MonoArgs &a, Ctl &ctl, uint16_t *res, bool has_add,
                          const uint16_t *addp, Add8 add8, const uint16_t *w, uint16_t *out,
@@ -509,114 +509,50 @@ __device__ void norm_row(const MonoArgs &a, Ctl &ctl, uint16_t *res, bool has_ad
     const uint4 *av = reinterpret_cast<const uint4 *>(addp);
     uint4 *ov = reinterpret_cast<uint4 *>(out);
     double ss = 0.0;
-    if ((size_t)a.H * 6 <= (size_t)a.smem) { /* CTA-uniform */
-        uint4 *sr = reinterpret_cast<uint4 *>(dsm), *sw = sr + nvec, *sa = sw + nvec;
-        for (int v = threadIdx.x; v < nvec; v += kThreads) {
-            cp_async16(sr + v, rv + v, true);
-            cp_async16(sw + v, wv + v, true);
-            if (has_add && addp)
-                cp_async16(sa + v, av + v, true);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        /* each thread reads back only what it copied itself until the sum's
-         * barriers */
-        for (int v = threadIdx.x; v < nvec; v += kThreads) {
-            float f[8];
-            unpack8(sr[v], f);
-            if (has_add) {
-                float ad[8];
-                if (addp)
-                    unpack8(sa[v], ad);
-                else
-                    add8(v, ad);
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    f[j] = m3_round_bf(__fadd_rn(ad[j], f[j]));
-                uint4 r = pack8(f);
-                sr[v] = r;
-                rv[v] = r;
-            }
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                ss += (double)f[j] * (double)f[j];
-        }
-        ss = block_sum_d(ss, ctl);
-        float ms = (float)(ss / (double)a.H);
-        float rs = 1.0f / sqrtf(ms + a.eps);
-        for (int v = threadIdx.x; v < nvec; v += kThreads) {
-            float x[8], wf[8];
-            unpack8(sr[v], x);
-            unpack8(sw[v], wf);
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                x[j] = __fmul_rn(__fmul_rn(x[j], rs), __fadd_rn(1.0f, wf[j]));
-            ov[v] = pack8(x);
-        }
-        __syncthreads(); /* dsm is free again for the next item */
-        return;
+    uint4 *sr = reinterpret_cast<uint4 *>(dsm), *sw = sr + nvec, *sa = sw + nvec;
+    for (int v = threadIdx.x; v < nvec; v += kThreads) {
+        cp_async16(sr + v, rv + v, true);
+        cp_async16(sw + v, wv + v, true);
+        if (has_add && addp)
+            cp_async16(sa + v, av + v, true);
     }
-    for (int v0 = threadIdx.x; v0 < nvec; v0 += kThreads * kNormU) {
-        uint4 r[kNormU];
-        float ad[kNormU][8];
-#pragma unroll
-        for (int i = 0; i < kNormU; i++) {
-            int v = v0 + i * kThreads;
-            if (v < nvec) {
-                r[i] = __ldcg(rv + v);
-                if (has_add) {
-                    if (addp)
-                        unpack8(__ldcg(av + v), ad[i]);
-                    else
-                        add8(v, ad[i]);
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < kNormU; i++) {
-            int v = v0 + i * kThreads;
-            if (v >= nvec)
-                continue;
-            float f[8];
-            unpack8(r[i], f);
-            if (has_add) {
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    f[j] = m3_round_bf(__fadd_rn(ad[i][j], f[j]));
-                rv[v] = pack8(f);
-            }
+    cp_async_commit();
+    cp_async_wait<0>();
+    /* each thread reads back only what it copied itself until the sum's
+     * barriers */
+    for (int v = threadIdx.x; v < nvec; v += kThreads) {
+        float f[8];
+        unpack8(sr[v], f);
+        if (has_add) {
+            float ad[8];
+            if (addp)
+                unpack8(sa[v], ad);
+            else
+                add8(v, ad);
 #pragma unroll
             for (int j = 0; j < 8; j++)
-                ss += (double)f[j] * (double)f[j];
+                f[j] = m3_round_bf(__fadd_rn(ad[j], f[j]));
+            uint4 r = pack8(f);
+            sr[v] = r;
+            rv[v] = r;
         }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            ss += (double)f[j] * (double)f[j];
     }
     ss = block_sum_d(ss, ctl);
     float ms = (float)(ss / (double)a.H);
     float rs = 1.0f / sqrtf(ms + a.eps);
-    for (int v0 = threadIdx.x; v0 < nvec; v0 += kThreads * kNormU) {
-        uint4 r[kNormU], wr[kNormU];
+    for (int v = threadIdx.x; v < nvec; v += kThreads) {
+        float x[8], wf[8];
+        unpack8(sr[v], x);
+        unpack8(sw[v], wf);
 #pragma unroll
-        for (int i = 0; i < kNormU; i++) {
-            int v = v0 + i * kThreads;
-            if (v < nvec) {
-                r[i] = __ldcg(rv + v); /* this thread's own write (or the input) */
-                wr[i] = __ldg(wv + v);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < kNormU; i++) {
-            int v = v0 + i * kThreads;
-            if (v >= nvec)
-                continue;
-            float x[8], wf[8];
-            unpack8(r[i], x);
-            unpack8(wr[i], wf);
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                x[j] = __fmul_rn(__fmul_rn(x[j], rs), __fadd_rn(1.0f, wf[j]));
-            ov[v] = pack8(x);
-        }
+        for (int j = 0; j < 8; j++)
+            x[j] = __fmul_rn(__fmul_rn(x[j], rs), __fadd_rn(1.0f, wf[j]));
+        ov[v] = pack8(x);
     }
+    __syncthreads(); /* dsm is free again for the next item */
 }
 
 } // namespace m3mono

@@ -79,26 +79,24 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
     for (int m = threadIdx.x; m < n; m += kThreads)
         pid[m] = INT_MAX;
     __syncthreads();
-    /* each warp's row keys and sigmoids [2][E], staged once per row when
-     * they fit (instead of K rounds of dependent global loads) */
-    const size_t koff = (2 * (size_t)kMaxAssign * sizeof(int) + 15) / 16 * 16;
-    const bool staged = koff + (size_t)kWarps * E * 8 <= (size_t)a.smem;
-    float *wkey = reinterpret_cast<float *>(dsm + koff) + (size_t)warp * 2 * E, *wsig = wkey + E;
+    /* each warp's row keys and sigmoids [2][E], staged once per row
+     * (instead of K rounds of dependent global loads; m3_cuda_mono_create
+     * sizes the shared memory for them) */
+    float *wkey = reinterpret_cast<float *>(dsm + plan_key_offset()) + (size_t)warp * 2 * E;
+    float *wsig = wkey + E;
     for (int t = warp; t < a.T; t += kWarps) {
         /* the slot's load and the keys' in flight together (a padded row's
          * logits are written too, so staging them is harmless) */
         const bool padded = a.slots[t] < 0;
         const float *l = a.logits + (size_t)t * E;
-        if (staged) {
 #pragma unroll 4
-            for (int e = lane; e < E; e += 32) {
-                float sg = m3_sigmoid(__ldcg(l + e));
-                float key = sg + (a.rbias ? __ldg(a.rbias + e) : 0.0f);
-                wkey[e] = isnan(key) ? -INFINITY : key;
-                wsig[e] = sg;
-            }
-            __syncwarp();
+        for (int e = lane; e < E; e += 32) {
+            float sg = m3_sigmoid(__ldcg(l + e));
+            float key = sg + (a.rbias ? __ldg(a.rbias + e) : 0.0f);
+            wkey[e] = isnan(key) ? -INFINITY : key;
+            wsig[e] = sg;
         }
+        __syncwarp();
         if (padded)
             continue;
         /* K rounds of a warp argmax. Staged keys taken in an earlier round
@@ -109,19 +107,7 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
             float bk = -INFINITY;
             int bi = INT_MAX;
             for (int e = lane; e < E; e += 32) {
-                float key;
-                if (staged) {
-                    key = wkey[e];
-                } else {
-                    bool taken = false;
-                    for (int q = 0; q < round; q++)
-                        taken |= ctl.rid[warp][q] == e;
-                    if (taken)
-                        continue;
-                    key = m3_sigmoid(__ldcg(l + e)) + (a.rbias ? __ldg(a.rbias + e) : 0.0f);
-                    if (isnan(key))
-                        key = -INFINITY;
-                }
+                const float key = wkey[e];
                 if (key > bk || (key == bk && e < bi)) {
                     bk = key;
                     bi = e;
@@ -137,8 +123,7 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
             }
             if (lane == 0) {
                 ctl.rid[warp][round] = bi;
-                if (staged)
-                    wkey[bi] = m3_qnan();
+                wkey[bi] = m3_qnan();
             }
             __syncwarp();
         }
@@ -147,11 +132,11 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
         float sum = 0.0f;
         for (int i = 0; i < K; i++) {
             const int id = ctl.rid[warp][i];
-            sum += staged ? wsig[id] : m3_sigmoid(__ldcg(l + id));
+            sum += wsig[id];
         }
         if (lane < K) {
             const int id = ctl.rid[warp][lane];
-            const float sg = staged ? wsig[id] : m3_sigmoid(__ldcg(l + id));
+            const float sg = wsig[id];
             a.rids[t * K + lane] = id;
             a.rw[t * K + lane] = sg / sum;
             pid[t * K + lane] = id;
