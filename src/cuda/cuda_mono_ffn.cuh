@@ -223,18 +223,22 @@ __device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile) {
         float acc = 0.0f;
         const float sv = a.Is ? __ldcg(a.sh_out + (size_t)t * a.H + n) : 0.0f;
         if (a.slots[t] >= 0) {
-            /* every slot's loads in flight at once, summed in slot order */
-            float ev[kMaxTopE], wv[kMaxTopE];
+            /* four slots' loads in flight at a time, summed in slot order
+             * (K is 4 on M3; a loop over kMaxTopE unrolled put 16 slots'
+             * code at every call site) */
+            for (int s0 = 0; s0 < a.K; s0 += 4) {
+                float ev[4], wv[4];
 #pragma unroll
-            for (int s = 0; s < kMaxTopE; s++) {
-                int m = t * a.K + s;
-                ev[s] = s < a.K ? __ldcg(a.eout + (size_t)m * a.H + n) : 0.0f;
-                wv[s] = s < a.K ? __ldcg(a.rw + m) : 0.0f;
+                for (int j = 0; j < 4; j++) {
+                    const int m = t * a.K + s0 + j;
+                    ev[j] = s0 + j < a.K ? __ldcg(a.eout + (size_t)m * a.H + n) : 0.0f;
+                    wv[j] = s0 + j < a.K ? __ldcg(a.rw + m) : 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (s0 + j < a.K)
+                        acc += wv[j] * (a.world == 1 ? m3_round_bf(ev[j]) : ev[j]);
             }
-#pragma unroll
-            for (int s = 0; s < kMaxTopE; s++)
-                if (s < a.K)
-                    acc += wv[s] * (a.world == 1 ? m3_round_bf(ev[s]) : ev[s]);
         }
         float y = a.scaling * acc;
         if (a.Is)
@@ -246,29 +250,14 @@ __device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile) {
     }
 }
 
-/* One contribution (the shared expert or one routed expert) to output
- * tile `tile` is complete; the last of n_uniq + shared combines it. */
-__device__ void combine_arrive(const MonoArgs &a, Ctl &ctl, int tile, bool faulted) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        unsigned old = atomicAdd(&a.ctr[a.o_comb + tile], 1u);
-        __threadfence();
-        spin_until(&a.ctr[C_PLAN], 1u);
-        unsigned total = (unsigned)__ldcg(a.n_uniq) + (a.Is ? 1u : 0u);
-        ctl.flag = old + 1u == total;
-    }
-    __syncthreads();
-    if (ctl.flag && !faulted)
-        combine_tile(a, ctl, tile);
-}
-
-/* combine_arrive for tiles [tile0, tile0 + n) at once (n <= kEdnSubMax):
- * one fence for all of them. */
+/* One contribution (the shared expert or one routed expert) to each of
+ * output tiles [tile0, tile0 + n) (n <= kEdnSubMax) is complete; the last
+ * of n_uniq + shared to arrive at a tile combines it. One fence for all of
+ * them; the count is known once the plan is published (a shared down item
+ * may finish before it and waits here). */
 __device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, bool faulted) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        /* the plan is published (routed down items exist only after it) */
         spin_until(&a.ctr[C_PLAN], 1u);
         const unsigned total = (unsigned)__ldcg(a.n_uniq) + (a.Is ? 1u : 0u);
         __threadfence();
@@ -329,7 +318,7 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
         int r = i / a.T, t = i % a.T;
         a.sh_out[(size_t)t * a.H + tile * kTile + r] = ctl.fin[r][t];
     }
-    combine_arrive(a, ctl, tile, faulted);
+    combine_arrive_n(a, ctl, tile, 1, faulted);
 }
 
 /* Routed gate + up + SwiGLU of slot u's expert, neurons [tile*4, tile*4+4),
