@@ -13,7 +13,7 @@ Older traces without the ready column show no split.
 import sys
 from collections import defaultdict
 
-PRE = ["norm1", "proj", "index", "norm1_again"]  # norm1_again: the same norm, warm
+PRE = ["norm1", "proj", "index", "norm1_again"]  # norm1_again: traces before 2026-12-01
 POST = ["select", "attention", "o_proj", "norm2", "router", "shared_gu", "expert_gu",
         "shared_down", "expert_down", "final"]
 

@@ -91,16 +91,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         else
             kind = 2, idx_item(a, ctl, dsm, cur - n_proj, faulted);
         trace_item(a, 0, kind, item, t0);
-        if (a.trace && kind == 0 && !faulted) {
-            /* diagnostic (traced runs only): the same norm again in the same
-             * CTA, its code now warm in the SM's instruction cache; it
-             * rewrites x1 with the same bits (no add this time) */
-            unsigned long long t1 = gtimer();
-            auto none = [](int, float *) {};
-            norm_row(a, ctl, a.residual + (size_t)item * a.H, false, nullptr, none, a.in_norm,
-                     a.x1 + (size_t)item * a.H, dsm);
-            trace_item(a, 0, 3, item, t1);
-        }
         if (threadIdx.x == 0)
             ctl.cur = (int)nxt;
     }
