@@ -20,14 +20,15 @@ __device__ __forceinline__ float m3_bf(uint16_t h) {
     return __uint_as_float((uint32_t)h << 16);
 }
 
-/* fp32 -> bf16 bits, round to nearest even; NaN stays a quiet NaN (the
- * same bits as the CPU backend's m3_f32_to_bf16). */
+/* fp32 -> bf16 bits, round to nearest even: the hardware conversion (one
+ * F2FP instruction; pack8 converts two values per instruction), the same
+ * bits as the CPU backend's m3_f32_to_bf16 for every value but NaN, which
+ * comes out as the canonical quiet NaN 0x7fff where the CPU keeps the
+ * payload (tests compare values, and a NaN is a NaN). The integer rounding
+ * it replaced took ~7 instructions a value, 1,700 of the one-row post
+ * kernel's 25,000 (docs/PERF.md, eleventh session). */
 __device__ __forceinline__ uint16_t m3_to_bf(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x0040u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 }
 
 __device__ __forceinline__ float m3_round_bf(float f) { return m3_bf(m3_to_bf(f)); }
@@ -45,8 +46,10 @@ __device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
 __device__ __forceinline__ uint4 pack8(const float f[8]) {
     uint32_t w[4];
 #pragma unroll
-    for (int k = 0; k < 4; k++)
-        w[k] = (uint32_t)m3_to_bf(f[2 * k]) | ((uint32_t)m3_to_bf(f[2 * k + 1]) << 16);
+    for (int k = 0; k < 4; k++) { /* .x (the low half) is f[2k] */
+        __nv_bfloat162 p = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+        w[k] = *reinterpret_cast<uint32_t *>(&p);
+    }
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
