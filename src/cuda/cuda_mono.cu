@@ -95,11 +95,18 @@
  */
 /*
  * Files: cuda_mono.cu (this: host side: create, per-call arguments, trace,
- * fault word), cuda_mono_args.cuh (constants, MonoArgs, the kernel unit's
- * entry points), cuda_mono_kernels.cu (the kernels' item loops, launches)
- * with its parts cuda_mono_dev.cuh (counters, GEMV core, norms),
- * cuda_mono_pre.cuh (launch 1 items), cuda_mono_attn.cuh (selection,
- * attention), cuda_mono_ffn.cuh (o_proj .. experts).
+ * fault word), cuda_mono_args.cuh (constants, variants, MonoArgs, the
+ * kernel unit's entry points), cuda_mono_kernels.cuh (the kernels' item
+ * loops and launches, templates over rows and variant) with its parts
+ * cuda_mono_dev.cuh (counters, GEMV core, norms), cuda_mono_pre.cuh
+ * (launch 1 items), cuda_mono_attn.cuh (selection, attention),
+ * cuda_mono_ffn.cuh (o_proj .. experts); cuda_mono_kernels.cu (world-1
+ * variants, fault word kernels, entry points) and cuda_mono_kernels_tp.cu
+ * (TP variants) instantiate them.
+ *
+ * Variants: a layer's kernels are compiled for what it needs: V_F8 when
+ * any weight is MXFP8 (else the GEMV items have only the bf16 core), V_TP
+ * when world > 1 (else no landing-buffer pushes, reads or final sums).
  */
 #include "cuda/cuda_mono_args.cuh"
 

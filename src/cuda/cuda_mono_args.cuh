@@ -40,6 +40,13 @@ constexpr int kMaxAssign = kMaxT * kMaxTopE;
 constexpr int kMaxSplits = 64;             /* attention splits = top-k blocks */
 constexpr int kHeadTile = 16;              /* query heads per attention item (MMA M) */
 constexpr int kCtasPerSm = 3;              /* launch bound; occupancy is queried */
+/* Kernel variants: the code of the MXFP8 GEMV (V_F8: some weight of the
+ * layer is e4m3) and of the in-kernel all-reduces (V_TP: world > 1) is
+ * compiled only into the variants that run it. A path that never runs
+ * still costs the others registers and instruction fetch: taking both out
+ * of the bf16 world-1 kernels made them 2-5% faster (docs/PERF.md,
+ * eleventh session). */
+enum { V_F8 = 1, V_TP = 2 };
 constexpr unsigned kFull = 0xffffffffu;
 constexpr unsigned long long kPeerTimeoutNs = 5ull * 1000 * 1000 * 1000;
 
@@ -182,8 +189,15 @@ static_assert(kWarps * kHeadTile * (kOStride + 3) * 4 + 3 * kHeadTile * 4 <= kQO
 /* The smallest resident CTA count per SM over every kernel instance at
  * `smem` bytes of dynamic shared memory (also sets the attribute). */
 m3_status occupancy(size_t smem, int *min_occ);
-/* Both launches of one layer on stream s, P CTAs each. */
+/* Both launches of one layer on stream s, P CTAs each, in the variant
+ * (V_F8, V_TP) the arguments need. */
 m3_status launch_layer(cudaStream_t s, int P, size_t smem, const MonoArgs &a);
+/* the same for one variant (cuda_mono_kernels.cuh; V_TP variants in
+ * cuda_mono_kernels_tp.cu, so the two halves compile in parallel) */
+template <int V>
+m3_status occupancy_variant(size_t smem, int *min_occ);
+template <int V>
+m3_status launch_variant(cudaStream_t s, int P, size_t smem, const MonoArgs &a);
 m3_status launch_check(cudaStream_t s, const int *fault);
 m3_status launch_set(cudaStream_t s, int *fault, int code, int layer);
 

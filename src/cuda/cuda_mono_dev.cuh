@@ -331,7 +331,7 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
  * rows ctl.rowp[0, rows); sums reduced over the warp. Every thread of the
  * CTA calls it (it synchronises the CTA), each warp with its own rows.
  * skip (CTA-uniform): zeros, nothing read. */
-template <int NR>
+template <int NR, int V>
 __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int64_t N, int k0,
                           int k1, const uint16_t *const *rowp, int rows, uint16_t *xs,
                           bool skip) {
@@ -343,7 +343,7 @@ __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
             acc[r][t] = 0.0f;
     if (skip)
         return;
-    if (W.fp8)
+    if ((V & V_F8) && W.fp8)
         gemv_kloop<NR, true>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane);
     else
         gemv_kloop<NR, false>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane);

@@ -10,7 +10,7 @@ namespace m3mono {
 
 /* ---------------------------------------------------------------- o_proj, norm2 */
 
-template <int NR>
+template <int NR, int V>
 __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                            bool faulted) {
     const int tile = item / a.s_o, slice = item % a.s_o;
@@ -21,13 +21,13 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     set_rows(ctl, a.attn, KQ, a.T);
     const int warp = threadIdx.x >> 5;
     float acc[kRW][NR];
-    gemv_rows<NR>(acc, wrow_of(a.wo), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp, a.T,
+    gemv_rows<NR, V>(acc, wrow_of(a.wo), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp, a.T,
                   reinterpret_cast<uint16_t *>(dsm), faulted);
     if (!split_reduce<NR>(acc, a.s_o, slice, tile, a.part_o, a.ctr + a.o_otile, ctl))
         return;
     for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
         int r = i / a.T, t = i % a.T, n = tile * kTile + r;
-        if (a.world == 1)
+        if (!(V & V_TP))
             a.o[(size_t)t * a.H + n] = m3_to_bf(ctl.fin[r][t]); /* rounding point */
         else
             ll_push(a, 0, t, n, ctl.fin[r][t], ctl.tag_o); /* a partial sum: not rounded */
@@ -35,11 +35,12 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     signal_count(&a.ctr[C_OPROJ]);
 }
 
+template <int V>
 __device__ void norm2_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int t,
                            bool faulted) {
     wait_count(&a.ctr[C_OPROJ], (unsigned)(a.H / kTile));
     if (!faulted) {
-        if (a.world == 1) {
+        if (!(V & V_TP)) {
             auto none = [](int, float *) {};
             norm_row(a, ctl, a.residual + (size_t)t * a.H, true, a.o + (size_t)t * a.H, none,
                      a.post_norm, a.x2 + (size_t)t * a.H, dsm);
@@ -63,6 +64,7 @@ __device__ void norm2_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
 
 /* ---------------------------------------------------------------- router, routing, plan */
 
+template <int V>
 __device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile);
 
 /* Every real row's top-K experts (m3_route_row / moe_route_kernel: keys
@@ -70,6 +72,7 @@ __device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile);
  * then the distinct experts in ascending id with their members (assignment
  * m = t * K + s) in assignment order, as moe_plan_kernel groups them.
  * Padded rows route nowhere. One CTA. */
+template <int V>
 __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int E = a.E, K = a.K, n = a.T * K;
@@ -178,10 +181,10 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
     /* nothing will arrive at the combine counters: combine here (zeros) */
     if (ctl.nu == 0 && a.Is == 0)
         for (int tile = 0; tile < a.H / kTile; tile++)
-            combine_tile(a, ctl, tile);
+            combine_tile<V>(a, ctl, tile);
 }
 
-template <int NR>
+template <int NR, int V>
 __device__ void router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                             bool faulted) {
     const int tile = item / a.s_rt, slice = item % a.s_rt;
@@ -204,7 +207,7 @@ __device__ void router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int
     }
     if (!arrive(&a.ctr[C_ROUTER], (unsigned)a.rt_tiles, ctl))
         return;
-    route_and_plan(a, ctl, dsm);
+    route_and_plan<V>(a, ctl, dsm);
 }
 
 /* ---------------------------------------------------------------- experts */
@@ -217,7 +220,9 @@ static_assert(kEdnSub <= kEdnSubMax, "edn sub-tiles");
 /* y for columns [tile * 8, tile * 8 + 8) of every row: world 1 rounds the
  * expert and shared outputs (SPEC rounding points) and y once; world > 1
  * pushes the rank's unrounded partial. */
+template <int V>
 __device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile) {
+    constexpr bool TP = (V & V_TP) != 0;
     for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
         int t = i / kTile, n = tile * kTile + i % kTile;
         float acc = 0.0f;
@@ -237,13 +242,13 @@ __device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile) {
 #pragma unroll
                 for (int j = 0; j < 4; j++)
                     if (s0 + j < a.K)
-                        acc += wv[j] * (a.world == 1 ? m3_round_bf(ev[j]) : ev[j]);
+                        acc += wv[j] * (!TP ? m3_round_bf(ev[j]) : ev[j]);
             }
         }
         float y = a.scaling * acc;
         if (a.Is)
-            y += a.world == 1 ? m3_round_bf(sv) : sv;
-        if (a.world == 1)
+            y += !TP ? m3_round_bf(sv) : sv;
+        if (!TP)
             a.hidden[(size_t)t * a.H + n] = m3_to_bf(y);
         else
             ll_push(a, 1, t, n, y, ctl.tag_f);
@@ -255,6 +260,7 @@ __device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile) {
  * of n_uniq + shared to arrive at a tile combines it. One fence for all of
  * them; the count is known once the plan is published (a shared down item
  * may finish before it and waits here). */
+template <int V>
 __device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, bool faulted) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -272,10 +278,10 @@ __device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, 
     if (!faulted)
         for (int j = 0; j < n; j++)
             if (mask & (1 << j))
-                combine_tile(a, ctl, tile0 + j);
+                combine_tile<V>(a, ctl, tile0 + j);
 }
 
-template <int NR>
+template <int NR, int V>
 __device__ void shgu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                           bool faulted) {
     const int tile = item / a.s_shgu, slice = item % a.s_shgu;
@@ -287,7 +293,7 @@ __device__ void shgu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     /* warps 0-1: gate rows tile*4 .. +3, warps 2-3: the same up rows */
     const WMat &m = warp < 2 ? a.shg : a.shu;
     float acc[kRW][NR];
-    gemv_rows<NR>(acc, wrow_of(m), tile * 4 + (warp & 1) * kRW, a.Is, k0, k1, ctl.rowp, a.T,
+    gemv_rows<NR, V>(acc, wrow_of(m), tile * 4 + (warp & 1) * kRW, a.Is, k0, k1, ctl.rowp, a.T,
                   reinterpret_cast<uint16_t *>(dsm), faulted);
     if (!split_reduce<NR>(acc, a.s_shgu, slice, tile, a.part_shgu, a.ctr + a.o_shgu, ctl))
         return;
@@ -300,7 +306,7 @@ __device__ void shgu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     signal_count(&a.ctr[C_SHGU]);
 }
 
-template <int NR>
+template <int NR, int V>
 __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                           bool faulted) {
     const int tile = item / a.s_shdn, slice = item % a.s_shdn;
@@ -310,7 +316,7 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     set_rows(ctl, a.sh_act, a.Is, a.T);
     const int warp = threadIdx.x >> 5;
     float acc[kRW][NR];
-    gemv_rows<NR>(acc, wrow_of(a.shd), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp, a.T,
+    gemv_rows<NR, V>(acc, wrow_of(a.shd), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp, a.T,
                   reinterpret_cast<uint16_t *>(dsm), faulted);
     if (!split_reduce<NR>(acc, a.s_shdn, slice, tile, a.part_shdn, a.ctr + a.o_shdn, ctl))
         return;
@@ -318,12 +324,12 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
         int r = i / a.T, t = i % a.T;
         a.sh_out[(size_t)t * a.H + tile * kTile + r] = ctl.fin[r][t];
     }
-    combine_arrive_n(a, ctl, tile, 1, faulted);
+    combine_arrive_n<V>(a, ctl, tile, 1, faulted);
 }
 
 /* Routed gate + up + SwiGLU of slot u's expert, neurons [tile*4, tile*4+4),
  * its members ENR at a time (their x rows gathered). */
-template <int ENR>
+template <int ENR, int V>
 __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                          bool faulted) {
     const int tiles = a.I / 4, u = item / tiles, tile = item % tiles;
@@ -340,7 +346,7 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
                 ctl.rowp[threadIdx.x] = a.x2 + (size_t)(m / a.K) * a.H;
             }
             float acc[kRW][ENR];
-            gemv_rows<ENR>(acc, W, n0, a.I, 0, a.H, ctl.rowp, rows,
+            gemv_rows<ENR, V>(acc, W, n0, a.I, 0, a.H, ctl.rowp, rows,
                            reinterpret_cast<uint16_t *>(dsm), false);
             acc_to_fin<ENR>(acc, ctl);
             for (int i = threadIdx.x; i < 4 * rows; i += kThreads) {
@@ -364,7 +370,7 @@ __host__ __device__ __forceinline__ int edn_groups(int H) {
     return (H / kTile + kEdnSub - 1) / kEdnSub;
 }
 
-template <int ENR>
+template <int ENR, int V>
 __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                          bool faulted) {
     const int tiles = a.H / kTile, groups = edn_groups(a.H);
@@ -391,7 +397,7 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
                     ctl.rowp[threadIdx.x] = a.act + (size_t)m * a.I;
                 }
                 float acc[kRW][ENR];
-                gemv_rows<ENR>(acc, W, n0, a.H, 0, a.I, ctl.rowp, rows,
+                gemv_rows<ENR, V>(acc, W, n0, a.H, 0, a.I, ctl.rowp, rows,
                                reinterpret_cast<uint16_t *>(dsm), false);
                 acc_to_fin<ENR>(acc, ctl);
                 for (int i = threadIdx.x; i < kTile * rows; i += kThreads) {
@@ -402,14 +408,15 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
             }
         }
     }
-    combine_arrive_n(a, ctl, tile0, ntile, faulted);
+    combine_arrive_n<V>(a, ctl, tile0, ntile, faulted);
 }
 
 /* world > 1: hidden = bf16(sum over ranks, in rank order, of the FFN
  * partials) for row t, columns [c*1024, c*1024 + 1024). */
+template <int V>
 __device__ void final_item(const MonoArgs &a, const Ctl &ctl, int item, bool faulted) {
     const int chunks = (a.H + 1023) / 1024, t = item / chunks, c = item % chunks;
-    if (faulted)
+    if (faulted || !(V & V_TP)) /* no final sums at world 1 (no such items) */
         return;
     for (int n = c * 1024 + threadIdx.x; n < min(a.H, (c + 1) * 1024); n += kThreads) {
         float s = 0.0f;

@@ -112,7 +112,7 @@ __device__ void norm1_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
  * indexer waits for them). Every matrix keeps the stock GEMV's K split (the
  * sums within a slice are not cut into the stock path's chunks: the
  * projections are its values up to fp32 summation order). */
-template <int NR>
+template <int NR, int V>
 __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                           bool faulted) {
     int mi = 0;
@@ -130,7 +130,7 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     const int warp = threadIdx.x >> 5;
     const int vr = tile * kTile + warp * kRW; /* this warp's first virtual row */
     float acc[kRW][NR];
-    gemv_rows<NR>(acc, wrow_of(*m), vr - base, m->n, k0, k1, ctl.rowp, a.T,
+    gemv_rows<NR, V>(acc, wrow_of(*m), vr - base, m->n, k0, k1, ctl.rowp, a.T,
                   reinterpret_cast<uint16_t *>(dsm), faulted);
     /* partial slots: s_pmax per tile whatever the matrix's own split */
     if (!split_reduce<NR>(acc, s, slice, tile, a.part_proj, a.ctr + a.o_ptile, ctl, a.s_pmax))
