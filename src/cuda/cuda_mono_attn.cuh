@@ -7,6 +7,7 @@
 #define M3_CUDA_CUDA_MONO_ATTN_CUH
 
 namespace m3mono {
+namespace { /* internal linkage: cuda_mono_kernels.cu and _tp.cu both compile it */
 
 /* ================================================================ launch 2 */
 
@@ -322,6 +323,7 @@ __device__ void att_item(const MonoArgs &a, Ctl &ctl, unsigned char *smem, int i
 }
 
 
+} // namespace
 } // namespace m3mono
 
 #endif

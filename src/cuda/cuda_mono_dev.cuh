@@ -7,6 +7,7 @@
 #define M3_CUDA_CUDA_MONO_DEV_CUH
 
 namespace m3mono {
+namespace { /* internal linkage: cuda_mono_kernels.cu and _tp.cu both compile it */
 
 /* ================================================================ helpers */
 
@@ -555,6 +556,7 @@ __device__ void norm_row(const MonoArgs &a, Ctl &ctl, uint16_t *res, bool has_ad
     __syncthreads(); /* dsm is free again for the next item */
 }
 
+} // namespace
 } // namespace m3mono
 
 #endif

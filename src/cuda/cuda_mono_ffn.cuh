@@ -7,6 +7,7 @@
 #define M3_CUDA_CUDA_MONO_FFN_CUH
 
 namespace m3mono {
+namespace { /* internal linkage: cuda_mono_kernels.cu and _tp.cu both compile it */
 
 /* ---------------------------------------------------------------- o_proj, norm2 */
 
@@ -427,6 +428,7 @@ __device__ void final_item(const MonoArgs &a, const Ctl &ctl, int item, bool fau
 }
 
 
+} // namespace
 } // namespace m3mono
 
 #endif

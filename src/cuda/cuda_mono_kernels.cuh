@@ -15,6 +15,7 @@
 #include "cuda/cuda_mono_ffn.cuh"
 
 namespace m3mono {
+namespace { /* internal linkage: cuda_mono_kernels.cu and _tp.cu both compile it */
 
 /* ================================================================ kernels */
 
@@ -174,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 /* ---------------------------------------------------------------- launches */
 
 template <int NR, int V>
-static m3_status occupancy_nr(size_t smem, int *min_occ) {
+m3_status occupancy_nr(size_t smem, int *min_occ) {
     const void *fns[2] = {(const void *)mono_pre_kernel<NR, V>,
                           (const void *)mono_post_kernel<NR, V>};
     for (int i = 0; i < 2; i++) {
@@ -188,6 +189,8 @@ static m3_status occupancy_nr(size_t smem, int *min_occ) {
     return M3_OK;
 }
 
+} // namespace
+
 template <int V>
 m3_status occupancy_variant(size_t smem, int *min_occ) {
     M3_TRY((occupancy_nr<1, V>(smem, min_occ)));
@@ -197,14 +200,16 @@ m3_status occupancy_variant(size_t smem, int *min_occ) {
     return occupancy_nr<16, V>(smem, min_occ);
 }
 
+namespace {
 template <int NR, int V>
-static m3_status launch_nr(cudaStream_t s, int P, size_t smem, const MonoArgs &a) {
+m3_status launch_nr(cudaStream_t s, int P, size_t smem, const MonoArgs &a) {
     mono_pre_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);
     M3_CUDA_LAUNCHED("mono_pre_kernel");
     mono_post_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);
     M3_CUDA_LAUNCHED("mono_post_kernel");
     return M3_OK;
 }
+} // namespace
 
 template <int V>
 m3_status launch_variant(cudaStream_t s, int P, size_t smem, const MonoArgs &a) {

@@ -7,6 +7,7 @@
 #define M3_CUDA_CUDA_MONO_PRE_CUH
 
 namespace m3mono {
+namespace { /* internal linkage: cuda_mono_kernels.cu and _tp.cu both compile it */
 
 /* ================================================================ launch 1 */
 
@@ -270,6 +271,7 @@ __device__ void idx_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
     cp_async_wait<0>();
 }
 
+} // namespace
 } // namespace m3mono
 
 #endif
