@@ -431,8 +431,9 @@ __device__ __forceinline__ void attn_warp_tile(WarpAttn<D> &w, const unsigned ch
  * a key; poisoned, when the CTA read a page outside the pool: acc = L =
  * NaN, M = -inf, any = true for every output). The same operations in the
  * same order as every output redoing its head's max and factors, which
- * took 5.4 µs of the mono attention item (docs/PERF.md, ninth session). The stock attention kernel and the mono
- * attention item both call it. scratch: WARPS x HT + 3 x HT words. */
+ * took 5.4 µs of the mono attention item (docs/PERF.md, ninth session).
+ * The stock attention kernel and the mono attention item both call it.
+ * scratch: WARPS x HT + 3 x HT words. */
 template <int D, int WARPS, int THREADS, int HT, typename Out>
 __device__ void attn_merge_warps(const float *s_o, int ostride, const float *s_m,
                                  const float *s_l, float *scratch, int nh, bool poisoned,

@@ -128,7 +128,8 @@ struct MonoArgs {
     uint2 *landing;      /* this rank's */
     /* tuning knobs (see cuda_mono.cu) */
     int spin_ns;      /* M3_MONO_SPIN_NS */
-    int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed polls, one acquire) */
+    int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed
+                       * polls, then one acquire) */
     /* item trace (M3_MONO_TRACE): [cap] x {meta, start ns, end ns, inputs ready ns} */
     unsigned long long *trace;
     unsigned *trace_n;

@@ -90,7 +90,8 @@ static bool any_fp8(const MonoArgs &a) {
 m3_status launch_layer(cudaStream_t s, int P, size_t smem, const MonoArgs &a) {
     const bool f8 = any_fp8(a);
     if (a.world > 1)
-        return f8 ? launch_variant<V_TP | V_F8>(s, P, smem, a) : launch_variant<V_TP>(s, P, smem, a);
+        return f8 ? launch_variant<V_TP | V_F8>(s, P, smem, a)
+                  : launch_variant<V_TP>(s, P, smem, a);
     return f8 ? launch_variant<V_F8>(s, P, smem, a) : launch_variant<0>(s, P, smem, a);
 }
 
