@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How many machine instructions does each source function put into a kernel?
 
-    scripts/sass_size.py KERNEL.cubin NAME [--top N] [--lines FILE:FIRST-LAST]
+    scripts/sass_size.py KERNEL.cubin NAME [--top N] [--lines FILE:FIRST-LAST] [--spills]
 
 The fused kernels' chain items run once per step on one SM, with their code
 cold: fetching it is about a third of such an item's work (docs/PERF.md,
@@ -16,7 +16,12 @@ sums them per source file and per enclosing function. The enclosing
 function is the last `__device__` or `__global__` definition above the line
 in that file: crude, but stable between builds. Inlined code is counted
 where its source lines are, so a helper inlined in six places counts six
-times. --lines sums one line range (e.g. a loop) of one file.
+times. --lines sums one line range (e.g. a loop) of one file. --spills
+lists instead the local-memory loads and stores (LDL / STL: register
+spills, or arrays the compiler could not keep in registers) per source
+line: ptxas -v gives only their byte total, and a spill in a hot loop
+costs more than one on a path that never runs (docs/PERF.md, eleventh
+session: the 16-row GEMV's weight registers).
 """
 import argparse
 import collections
@@ -32,8 +37,12 @@ from sass_diff import nvdisasm  # noqa: E402 (the same lookup: $NVDISASM, PATH, 
 DEF = re.compile(r"^(?:template <[^>]*>\s*)?(?:static\s+)?__(?:device|global)__[^(]*?(\w+)\s*\(")
 
 
-def line_counts(cubin, name):
-    """{(file path, line): instructions} for the functions whose name contains name."""
+LOCAL = re.compile(r"\b(STL|LDL)(\.\w+)*\s")
+
+
+def line_counts(cubin, name, only=None):
+    """{(file path, line): instructions} for the functions whose name contains
+    name; with only (a compiled regex), just the instructions it finds."""
     run = subprocess.run([nvdisasm(), "-g", "-c", cubin], capture_output=True, text=True)
     if run.returncode != 0:
         sys.exit("sass_size: nvdisasm failed: %s" % run.stderr.strip())
@@ -50,7 +59,12 @@ def line_counts(cubin, name):
             continue
         if fn and name in fn and re.match(r"\s+/\*[0-9a-f]{4,}\*/", text):
             seen.add(fn)
-            counts[where] += 1
+            if only is None:
+                counts[where] += 1
+            else:
+                m = only.search(text)
+                if m:
+                    counts[(where, m.group(1))] += 1
     if not seen:
         sys.exit("sass_size: no function in %s contains %r" % (cubin, name))
     return counts, sorted(seen)
@@ -79,7 +93,10 @@ def main():
     ap.add_argument("name", help="a substring of the kernel's (mangled) name")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--lines", help="FILE:FIRST-LAST, summed on its own")
+    ap.add_argument("--spills", action="store_true", help="local loads / stores per source line")
     args = ap.parse_args()
+    if args.spills:
+        return spills(args)
     counts, fns = line_counts(args.cubin, args.name)
     total = sum(counts.values())
     print("%s: %s, %d instructions (%d KB)" % (args.cubin, ", ".join(fns), total, total * 16 // 1024))
@@ -105,6 +122,26 @@ def main():
         f, a, b = m.group(1), int(m.group(2)), int(m.group(3))
         n = sum(v for w, v in counts.items() if w and w[0].endswith(f) and a <= w[1] <= b)
         print("\n%s lines %d-%d: %d instructions" % (f, a, b, n))
+
+
+def spills(args):
+    counts, fns = line_counts(args.cubin, args.name, LOCAL)
+    kinds = collections.Counter()
+    by_line, cache = collections.defaultdict(collections.Counter), {}
+    for (where, kind), n in counts.items():
+        kinds[kind] += n
+        by_line[where][kind] += n
+    print("%s: %s, %d local stores (STL), %d local loads (LDL)"
+          % (args.cubin, ", ".join(fns), kinds["STL"], kinds["LDL"]))
+    rows = sorted(by_line.items(), key=lambda kv: -sum(kv[1].values()))[: args.top]
+    for where, c in rows:
+        if where is None:
+            label = "(no line)"
+        else:
+            path, line = where
+            label = "%s:%d (%s)" % (os.path.basename(path), line,
+                                    enclosing(path, cache).get(line, "?"))
+        print("  STL %4d  LDL %4d  %s" % (c["STL"], c["LDL"], label))
 
 
 if __name__ == "__main__":
