@@ -268,33 +268,29 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
         m->inv_freq[i] =
             i < half ? pow(cfg->rope_theta, -(double)(2 * i) / (double)cfg->rotary_dim) : 0.0;
 
-    /* shared memory: the largest phase (attention stages or index tiles) */
-    size_t smem = (size_t)kAttnSmem;
-    smem = smem > idx_smem(Ni) ? smem : idx_smem(Ni);
-    smem = smem > (size_t)kMaxT * kKC * 2 ? smem : (size_t)kMaxT * kKC * 2;
-    size_t plan_bytes = 2 * (size_t)kMaxAssign * sizeof(int);
-    smem = smem > plan_bytes ? smem : plan_bytes;
-    size_t sel_min = (sizeof(SelShared) + 15) / 16 * 16;
-    smem = smem > sel_min ? smem : sel_min;
-    /* (the head epilogue's 4 KiB and the attention merge's 4 KiB fit too) */
-    if (smem > 227 * 1024) {
-        free(m);
-        return MONO_FAIL(M3_ERR_UNSUPPORTED, "%d index heads need %zu bytes of shared memory",
-                         Ni, smem);
-    }
-    /* the norms' rows (residual, addend, weight) and the routing plan's
-     * staged keys (2 x E floats per warp) always fit: the kernels have no
-     * second path for them (norm_row, route_and_plan) */
-    const size_t norm_bytes = 6 * (size_t)H;
-    const size_t route_bytes = plan_key_offset() + (size_t)kWarps * E * 8;
-    smem = smem > norm_bytes ? smem : norm_bytes;
-    smem = smem > route_bytes ? smem : route_bytes;
-    if (smem > 227 * 1024) {
+    /* shared memory: the largest phase (attention stages, index tiles, a
+     * GEMV's staged rows, the selection), and the norms' rows (residual,
+     * addend, weight) and the routing plan (its sort, then 2 x E staged
+     * floats per warp), which always fit: the kernels have no second path
+     * for them (norm_row, route_and_plan). The head epilogue's 4 KiB and
+     * the attention merge's 4 KiB fit too. */
+    const size_t sel_min = (sizeof(SelShared) + 15) / 16 * 16;
+    const size_t need[] = {(size_t)kAttnSmem,
+                           idx_smem(Ni),
+                           (size_t)kMaxT * kKC * 2,
+                           sel_min,
+                           6 * (size_t)H,
+                           plan_key_offset() + (size_t)kWarps * E * 8};
+    size_t smem = 0;
+    for (size_t i = 0; i < sizeof need / sizeof *need; i++)
+        smem = smem > need[i] ? smem : need[i];
+    const size_t smem_max = 227 * 1024;
+    if (smem > smem_max) {
         free(m);
         return MONO_FAIL(M3_ERR_UNSUPPORTED,
-                         "hidden size %d with %d experts needs %zu bytes of shared memory per "
-                         "CTA (at most 232448)",
-                         H, E, smem);
+                         "%d index heads, hidden size %d and %d experts need %zu bytes of "
+                         "shared memory per CTA (at most %zu)",
+                         Ni, H, E, smem, smem_max);
     }
     m->smem = smem;
     m->sel_staged = sel_min + (size_t)max_blocks * 4 <= smem;

@@ -189,6 +189,15 @@ m3_status occupancy_nr(size_t smem, int *min_occ) {
     return M3_OK;
 }
 
+template <int NR, int V>
+m3_status launch_nr(cudaStream_t s, int P, size_t smem, const MonoArgs &a) {
+    mono_pre_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);
+    M3_CUDA_LAUNCHED("mono_pre_kernel");
+    mono_post_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);
+    M3_CUDA_LAUNCHED("mono_post_kernel");
+    return M3_OK;
+}
+
 } // namespace
 
 template <int V>
@@ -199,17 +208,6 @@ m3_status occupancy_variant(size_t smem, int *min_occ) {
     M3_TRY((occupancy_nr<8, V>(smem, min_occ)));
     return occupancy_nr<16, V>(smem, min_occ);
 }
-
-namespace {
-template <int NR, int V>
-m3_status launch_nr(cudaStream_t s, int P, size_t smem, const MonoArgs &a) {
-    mono_pre_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);
-    M3_CUDA_LAUNCHED("mono_pre_kernel");
-    mono_post_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);
-    M3_CUDA_LAUNCHED("mono_post_kernel");
-    return M3_OK;
-}
-} // namespace
 
 template <int V>
 m3_status launch_variant(cudaStream_t s, int P, size_t smem, const MonoArgs &a) {
