@@ -278,7 +278,7 @@ __device__ void att_item(const MonoArgs &a, Ctl &ctl, unsigned char *smem, int i
     const int mt = id % a.mtiles;
     id /= a.mtiles;
     const int g = id % a.Nkv, t = id / a.Nkv;
-    wait_count(&a.ctr[a.o_sel + t * a.Ni + g], 1u);
+    /* (the kernel's loop waited for the selection: post_dep) */
     AttnCta c = attn_cta(a, t, g, mt, split);
     if (!faulted) {
         unsigned char *sq = smem + kQOffset;

@@ -18,7 +18,7 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     const int KQ = a.Nq * kHD;
     int k0, k1;
     k_slice(KQ, a.s_o, slice, &k0, &k1);
-    wait_count(&a.ctr[C_ATT], (unsigned)(a.T * a.Nkv * a.mtiles));
+    /* (the kernel's loop waited for attention: post_dep) */
     set_rows(ctl, a.attn, KQ, a.T);
     const int warp = threadIdx.x >> 5;
     float acc[kRW][NR];
@@ -39,7 +39,7 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
 template <int V>
 __device__ void norm2_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int t,
                            bool faulted) {
-    wait_count(&a.ctr[C_OPROJ], (unsigned)(a.H / kTile));
+    /* (the kernel's loop waited for o_proj: post_dep) */
     if (!faulted) {
         if (!(V & V_TP)) {
             auto none = [](int, float *) {};
@@ -185,15 +185,21 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
             combine_tile<V>(a, ctl, tile);
 }
 
+/* Ask L2 for router item `item`'s weights when the item is taken, before
+ * it waits for norm2 (3 MB, read once per layer). */
+__device__ __forceinline__ void router_prefetch(const MonoArgs &a, int item) {
+    int k0, k1;
+    k_slice(a.H, a.s_rt, item % a.s_rt, &k0, &k1);
+    prefetch_rows_f32(a.router, a.H, (int64_t)(item / a.s_rt) * kTile, kTile, a.E, k0, k1);
+}
+
 template <int NR, int V>
 __device__ void router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                             bool faulted) {
     const int tile = item / a.s_rt, slice = item % a.s_rt;
     int k0, k1;
     k_slice(a.H, a.s_rt, slice, &k0, &k1);
-    if (!faulted)
-        prefetch_rows_f32(a.router, a.H, (int64_t)tile * kTile, kTile, a.E, k0, k1);
-    wait_count(&a.ctr[C_NORM2], (unsigned)a.T);
+    /* (the kernel's loop prefetched the tile and waited for norm2: post_dep) */
     set_rows(ctl, a.x2, a.H, a.T);
     const int warp = threadIdx.x >> 5;
     float acc[kRW][NR];
@@ -288,7 +294,7 @@ __device__ void shgu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     const int tile = item / a.s_shgu, slice = item % a.s_shgu;
     int k0, k1;
     k_slice(a.H, a.s_shgu, slice, &k0, &k1);
-    wait_count(&a.ctr[C_NORM2], (unsigned)a.T);
+    /* (the kernel's loop waited for norm2: post_dep) */
     set_rows(ctl, a.x2, a.H, a.T);
     const int warp = threadIdx.x >> 5;
     /* warps 0-1: gate rows tile*4 .. +3, warps 2-3: the same up rows */
@@ -313,7 +319,7 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     const int tile = item / a.s_shdn, slice = item % a.s_shdn;
     int k0, k1;
     k_slice(a.Is, a.s_shdn, slice, &k0, &k1);
-    wait_count(&a.ctr[C_SHGU], (unsigned)(a.Is / 4));
+    /* (the kernel's loop waited for the shared gate/up: post_dep) */
     set_rows(ctl, a.sh_act, a.Is, a.T);
     const int warp = threadIdx.x >> 5;
     float acc[kRW][NR];

@@ -70,6 +70,32 @@ __device__ __forceinline__ void trace_item(const MonoArgs &a, int kernel, int ki
     a.trace[4 * (size_t)i + 3] = s_t_ready; /* 0: the item did not wait */
 }
 
+/* The post kernel's item kinds (the trace's kind numbers, scripts/mono_trace.py) */
+enum { K_SEL, K_ATT, K_OPROJ, K_NORM2, K_ROUTER, K_SHGU, K_EGU, K_SHDN, K_EDN, K_FIN };
+
+/* What a post item waits for before it starts: counter c at target (c
+ * null: nothing, or the item waits inside, after work that does not need
+ * the input: edn reads the plan first). */
+struct ItemDep {
+    const unsigned *c;
+    unsigned target;
+};
+
+__device__ __forceinline__ ItemDep post_dep(const MonoArgs &a, int kind, int local) {
+    switch (kind) {
+    case K_ATT: {
+        const int t = local / a.S / a.mtiles / a.Nkv, g = local / a.S / a.mtiles % a.Nkv;
+        return {&a.ctr[a.o_sel + t * a.Ni + g], 1u};
+    }
+    case K_OPROJ: return {&a.ctr[C_ATT], (unsigned)(a.T * a.Nkv * a.mtiles)};
+    case K_NORM2: return {&a.ctr[C_OPROJ], (unsigned)(a.H / kTile)};
+    case K_ROUTER:
+    case K_SHGU: return {&a.ctr[C_NORM2], (unsigned)a.T};
+    case K_SHDN: return {&a.ctr[C_SHGU], (unsigned)(a.Is / 4)};
+    default: return {nullptr, 0u};
+    }
+}
+
 template <int NR, int V>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     mono_pre_kernel(const __grid_constant__ MonoArgs a) {
@@ -140,31 +166,55 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             if (cur - base_dyn >= n_egu + n_shdn + n_edn + n_fin)
                 break;
         }
+        const int item = cur;
+        int kind;
+        if (cur < n_sel)
+            kind = K_SEL;
+        else if ((cur -= n_sel) < n_att)
+            kind = K_ATT;
+        else if ((cur -= n_att) < n_o)
+            kind = K_OPROJ;
+        else if ((cur -= n_o) < n_n2)
+            kind = K_NORM2;
+        else if ((cur -= n_n2) < n_rt)
+            kind = K_ROUTER;
+        else if ((cur -= n_rt) < n_shgu)
+            kind = K_SHGU;
+        else if ((cur -= n_shgu) < n_egu)
+            kind = K_EGU;
+        else if ((cur -= n_egu) < n_shdn)
+            kind = K_SHDN;
+        else if ((cur -= n_shdn) < n_edn)
+            kind = K_EDN;
+        else
+            kind = K_FIN, cur -= n_edn;
+        unsigned long long t0 = a.trace ? gtimer() : 0;
+        /* The item's input first, then the next item's reservation: a CTA
+         * that waits holds no second item, so the items behind it go to
+         * CTAs that are free (reserved at the start, a waiting router item
+         * held the next one, and half the router phase ran a second wave
+         * after norm2). The reservation's atomic is in flight during the
+         * item, as before. */
+        if (kind == K_ROUTER && !faulted)
+            router_prefetch(a, cur);
+        const ItemDep dep = post_dep(a, kind, cur);
+        if (dep.c)
+            wait_count(dep.c, dep.target);
         unsigned nxt = 0;
         if (threadIdx.x == 0)
             nxt = atomicAdd(&a.ctr[C_QUEUE], 1u);
-        unsigned long long t0 = a.trace ? gtimer() : 0;
-        int item = cur, kind;
-        if (cur < n_sel)
-            kind = 0, sel_item(a, dsm, cur, faulted);
-        else if ((cur -= n_sel) < n_att)
-            kind = 1, att_item(a, ctl, dsm, cur, faulted);
-        else if ((cur -= n_att) < n_o)
-            kind = 2, oproj_item<NR, V>(a, ctl, dsm, cur, faulted);
-        else if ((cur -= n_o) < n_n2)
-            kind = 3, norm2_item<V>(a, ctl, dsm, cur, faulted);
-        else if ((cur -= n_n2) < n_rt)
-            kind = 4, router_item<NR, V>(a, ctl, dsm, cur, faulted);
-        else if ((cur -= n_rt) < n_shgu)
-            kind = 5, shgu_item<NR, V>(a, ctl, dsm, cur, faulted);
-        else if ((cur -= n_shgu) < n_egu)
-            kind = 6, egu_item<ENR, V>(a, ctl, dsm, cur, faulted);
-        else if ((cur -= n_egu) < n_shdn)
-            kind = 7, shdn_item<NR, V>(a, ctl, dsm, cur, faulted);
-        else if ((cur -= n_shdn) < n_edn)
-            kind = 8, edn_item<ENR, V>(a, ctl, dsm, cur, faulted);
-        else
-            kind = 9, final_item<V>(a, ctl, cur - n_edn, faulted);
+        switch (kind) {
+        case K_SEL: sel_item(a, dsm, cur, faulted); break;
+        case K_ATT: att_item(a, ctl, dsm, cur, faulted); break;
+        case K_OPROJ: oproj_item<NR, V>(a, ctl, dsm, cur, faulted); break;
+        case K_NORM2: norm2_item<V>(a, ctl, dsm, cur, faulted); break;
+        case K_ROUTER: router_item<NR, V>(a, ctl, dsm, cur, faulted); break;
+        case K_SHGU: shgu_item<NR, V>(a, ctl, dsm, cur, faulted); break;
+        case K_EGU: egu_item<ENR, V>(a, ctl, dsm, cur, faulted); break;
+        case K_SHDN: shdn_item<NR, V>(a, ctl, dsm, cur, faulted); break;
+        case K_EDN: edn_item<ENR, V>(a, ctl, dsm, cur, faulted); break;
+        default: final_item<V>(a, ctl, cur, faulted); break;
+        }
         trace_item(a, 1, kind, item, t0);
         if (threadIdx.x == 0)
             ctl.cur = (int)nxt;
