@@ -60,7 +60,7 @@ enum {
     C_EXIT = 1 * kCtrLine,   /* CTAs done */
     C_NORM1 = 2 * kCtrLine,  /* norm1 rows done (target T) */
     C_IDX = 3 * kCtrLine,    /* index heads (iq heads + ik) normed and cached (target Ni + 1) */
-    C_ATT = 4 * kCtrLine,    /* attention groups merged (target T * Nkv * mtiles) */
+    C_ATT = 4 * kCtrLine,    /* attention heads merged (target T * Nq) */
     C_OPROJ = 5 * kCtrLine,  /* o_proj tiles done (target H / 8) */
     C_NORM2 = 6 * kCtrLine,  /* norm2 rows done (target T) */
     C_ROUTER = 7 * kCtrLine, /* router tiles done (target router tiles) */

@@ -58,8 +58,8 @@ __device__ void sel_item(const MonoArgs &a, unsigned char *dsm, int item, bool f
 
 /* ---------------------------------------------------------------- attention
  * (cuda_attention.cu attn_kernel: 4 warps, 64-key tiles, bf16 mma.sync; one
- * split = one selected block; every split writes a partial, the group's
- * last split merges them in split order) */
+ * split = one selected block; every split writes a partial, merged per
+ * head by merge_item) */
 
 
 
@@ -190,85 +190,53 @@ __device__ void attn_partial(const MonoArgs &a, const AttnCta &c, WarpAttn<kHD> 
         });
 }
 
-/* The group's S partials, in split order, into the bf16 output (zeros when
- * no split saw a key). smem: the stages, free again.
- *
- * Latency: the (max, sum) pairs are read once, all at a time, into shared
- * memory; each thread then owns 4 dims of a head (float4) and reads kMergeU
- * splits' partials per round trip, so the S x nh x 128 partial values take
- * a few round trips instead of hundreds of dependent loads. The
- * arithmetic and its order (per output, splits in order) are unchanged. */
-constexpr int kMergeU = 4;
+/* One head's S partials, in split order, into its bf16 output (zeros when
+ * no split saw a key): one item per (row, query head), after every split
+ * of the head's group has arrived (post_dep). The partials are copied to
+ * shared memory at once (one round trip: a single merging CTA that walked
+ * all 16 heads took ~10 us on the one-row chain, docs/PERF.md); then each
+ * thread owns one dim and sums the splits in order, with the factors every
+ * thread recomputes (the same operations in the same order as the stock
+ * merge, so the same bits). smem: S x 128 floats + S (max, sum) pairs. */
+static_assert(kMaxSplits * (kHD * 4 + 8) <= kAttnSmem, "merge partials in shared memory");
 
-__device__ void attn_merge(const MonoArgs &a, const AttnCta &c, unsigned char *smem) {
-    float *fac = reinterpret_cast<float *>(smem);      /* [nh][S] */
-    float *sL = fac + kHeadTile * kMaxSplits;          /* [nh] */
-    int *sany = reinterpret_cast<int *>(sL + kHeadTile);
-    float2 *sml = reinterpret_cast<float2 *>(sany + kHeadTile); /* [nh][S] */
-    const int S = a.S;
-    const int64_t head0 = (int64_t)c.t * a.Nq + c.h0;
-    for (int i = threadIdx.x; i < c.nh * S; i += kThreads) {
-        int r = i / S, s = i % S;
-        sml[r * kMaxSplits + s] = __ldcg(a.att_ml + (head0 + r) * S + s);
-    }
-    __syncthreads();
-    for (int r = threadIdx.x; r < c.nh; r += kThreads) {
+__device__ void merge_item(const MonoArgs &a, unsigned char *smem, int item, bool faulted) {
+    const int64_t head = item; /* t * Nq + h */
+    const int S = a.S, d = threadIdx.x;
+    if (!faulted) {
+        float *sacc = reinterpret_cast<float *>(smem);                    /* [S][kHD] */
+        float2 *sml = reinterpret_cast<float2 *>(sacc + (size_t)S * kHD); /* [S] */
+        const float *src = a.att_acc + head * S * kHD;
+        for (int i = threadIdx.x; i < S * (kHD / 4); i += kThreads)
+            cp_async16(sacc + 4 * i, src + 4 * i, true);
+        cp_async_commit();
+        if (threadIdx.x < S)
+            sml[threadIdx.x] = __ldcg(a.att_ml + head * S + threadIdx.x);
+        cp_async_wait<0>();
+        __syncthreads();
         float M = -INFINITY;
-        int any = 0;
+        bool any = false;
         for (int s = 0; s < S; s++) {
-            float2 v = sml[r * kMaxSplits + s];
+            const float2 v = sml[s];
             if (v.y != 0.0f) {
-                any = 1;
+                any = true;
                 M = fmaxf(M, v.x);
             }
         }
-        float ref = M == -INFINITY ? 0.0f : M, L = 0.0f;
+        const float ref = M == -INFINITY ? 0.0f : M;
+        float L = 0.0f, acc = 0.0f;
         for (int s = 0; s < S; s++) {
-            float2 v = sml[r * kMaxSplits + s];
-            float f = 0.0f;
+            const float2 v = sml[s];
             if (v.y != 0.0f) {
-                f = exp2f(v.x - ref);
+                const float f = exp2f(v.x - ref);
                 L += f * v.y;
+                acc += f * sacc[s * kHD + d];
             }
-            fac[r * kMaxSplits + s] = v.y != 0.0f ? f : m3_qnan(); /* NaN: not taking part */
         }
-        sL[r] = L;
-        sany[r] = any;
+        static_assert(kThreads == kHD, "one thread per dim");
+        a.attn[head * kHD + d] = any ? m3_to_bf(acc / L) : (uint16_t)0;
     }
-    __syncthreads();
-    constexpr int kD4 = kHD / 4;
-    for (int x = threadIdx.x; x < c.nh * kD4; x += kThreads) {
-        int r = x / kD4, d = (x % kD4) * 4;
-        int64_t head = head0 + r;
-        uint2 out = make_uint2(0u, 0u);
-        if (sany[r]) {
-            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            const float4 *src = reinterpret_cast<const float4 *>(a.att_acc + head * S * kHD + d);
-            for (int s0 = 0; s0 < S; s0 += kMergeU) {
-                float4 pv[kMergeU];
-#pragma unroll
-                for (int u = 0; u < kMergeU; u++) /* splits past S: not read */
-                    pv[u] = s0 + u < S ? __ldcg(src + (size_t)(s0 + u) * (kHD / 4))
-                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-                for (int u = 0; u < kMergeU; u++) {
-                    if (s0 + u >= S)
-                        break;
-                    float f = fac[r * kMaxSplits + s0 + u];
-                    if (!isnan(f)) {
-                        acc[0] += f * pv[u].x;
-                        acc[1] += f * pv[u].y;
-                        acc[2] += f * pv[u].z;
-                        acc[3] += f * pv[u].w;
-                    }
-                }
-            }
-            float L = sL[r];
-            out.x = (uint32_t)m3_to_bf(acc[0] / L) | ((uint32_t)m3_to_bf(acc[1] / L) << 16);
-            out.y = (uint32_t)m3_to_bf(acc[2] / L) | ((uint32_t)m3_to_bf(acc[3] / L) << 16);
-        }
-        *reinterpret_cast<uint2 *>(a.attn + head * kHD + d) = out;
-    }
+    signal_count(&a.ctr[C_ATT]);
 }
 
 __device__ void att_item(const MonoArgs &a, Ctl &ctl, unsigned char *smem, int item,
@@ -315,11 +283,8 @@ __device__ void att_item(const MonoArgs &a, Ctl &ctl, unsigned char *smem, int i
         __syncthreads();
         attn_partial(a, c, w, smem);
     }
-    if (!arrive(a.ctr + a.o_att + (t * a.Nkv + g) * a.mtiles + mt, (unsigned)a.S, ctl))
-        return;
-    if (!fault_now(a, ctl))
-        attn_merge(a, c, smem);
-    signal_count(&a.ctr[C_ATT]);
+    /* the group's merge items wait for all S splits (post_dep) */
+    signal_count(a.ctr + a.o_att + (t * a.Nkv + g) * a.mtiles + mt);
 }
 
 

@@ -71,7 +71,7 @@ __device__ __forceinline__ void trace_item(const MonoArgs &a, int kernel, int ki
 }
 
 /* The post kernel's item kinds (the trace's kind numbers, scripts/mono_trace.py) */
-enum { K_SEL, K_ATT, K_OPROJ, K_NORM2, K_ROUTER, K_SHGU, K_EGU, K_SHDN, K_EDN, K_FIN };
+enum { K_SEL, K_ATT, K_OPROJ, K_NORM2, K_ROUTER, K_SHGU, K_EGU, K_SHDN, K_EDN, K_FIN, K_MRG };
 
 /* What a post item waits for before it starts: counter c at target (c
  * null: nothing, or the item waits inside, after work that does not need
@@ -87,7 +87,12 @@ __device__ __forceinline__ ItemDep post_dep(const MonoArgs &a, int kind, int loc
         const int t = local / a.S / a.mtiles / a.Nkv, g = local / a.S / a.mtiles % a.Nkv;
         return {&a.ctr[a.o_sel + t * a.Ni + g], 1u};
     }
-    case K_OPROJ: return {&a.ctr[C_ATT], (unsigned)(a.T * a.Nkv * a.mtiles)};
+    case K_MRG: {
+        const int t = local / a.Nq, h = local % a.Nq, g = h / a.group;
+        const int mt = h % a.group / kHeadTile;
+        return {&a.ctr[a.o_att + (t * a.Nkv + g) * a.mtiles + mt], (unsigned)a.S};
+    }
+    case K_OPROJ: return {&a.ctr[C_ATT], (unsigned)(a.T * a.Nq)};
     case K_NORM2: return {&a.ctr[C_OPROJ], (unsigned)(a.H / kTile)};
     case K_ROUTER:
     case K_SHGU: return {&a.ctr[C_NORM2], (unsigned)a.T};
@@ -136,12 +141,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
     knobs_init(a);
-    const int n_sel = a.T * a.Ni, n_att = a.T * a.Nkv * a.mtiles * a.S;
+    const int n_sel = a.T * a.Ni, n_att = a.T * a.Nkv * a.mtiles * a.S, n_mrg = a.T * a.Nq;
     const int n_o = (a.H / kTile) * a.s_o, n_n2 = a.T, n_rt = a.rt_tiles * a.s_rt;
     const int n_shgu = a.Is ? (a.Is / 4) * a.s_shgu : 0;
     const int n_shdn = a.Is ? (a.H / kTile) * a.s_shdn : 0;
     const int n_fin = (V & V_TP) ? a.T * ((a.H + 1023) / 1024) : 0;
-    const int base_dyn = n_sel + n_att + n_o + n_n2 + n_rt + n_shgu;
+    const int base_dyn = n_sel + n_att + n_mrg + n_o + n_n2 + n_rt + n_shgu;
     if (threadIdx.x == 0) {
         ctl.cur = (int)atomicAdd(&a.ctr[C_QUEUE], 1u);
         /* Landing tags (world > 1) from the count of earlier post launches,
@@ -172,7 +177,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             kind = K_SEL;
         else if ((cur -= n_sel) < n_att)
             kind = K_ATT;
-        else if ((cur -= n_att) < n_o)
+        else if ((cur -= n_att) < n_mrg)
+            kind = K_MRG;
+        else if ((cur -= n_mrg) < n_o)
             kind = K_OPROJ;
         else if ((cur -= n_o) < n_n2)
             kind = K_NORM2;
@@ -206,6 +213,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         switch (kind) {
         case K_SEL: sel_item(a, dsm, cur, faulted); break;
         case K_ATT: att_item(a, ctl, dsm, cur, faulted); break;
+        case K_MRG: merge_item(a, dsm, cur, faulted); break;
         case K_OPROJ: oproj_item<NR, V>(a, ctl, dsm, cur, faulted); break;
         case K_NORM2: norm2_item<V>(a, ctl, dsm, cur, faulted); break;
         case K_ROUTER: router_item<NR, V>(a, ctl, dsm, cur, faulted); break;
