@@ -274,9 +274,15 @@ __device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, 
         spin_until(&a.ctr[C_PLAN], 1u);
         const unsigned total = (unsigned)__ldcg(a.n_uniq) + (a.Is ? 1u : 0u);
         __threadfence();
+        /* the n atomics in flight together (a loop over n waited for each) */
+        unsigned prev[kEdnSubMax];
+#pragma unroll
+        for (int j = 0; j < kEdnSubMax; j++)
+            prev[j] = j < n ? atomicAdd(&a.ctr[a.o_comb + tile0 + j], 1u) : 0u;
         int mask = 0;
-        for (int j = 0; j < n; j++)
-            mask |= (atomicAdd(&a.ctr[a.o_comb + tile0 + j], 1u) + 1u == total) << j;
+#pragma unroll
+        for (int j = 0; j < kEdnSubMax; j++)
+            mask |= (j < n && prev[j] + 1u == total) << j;
         __threadfence();
         ctl.flag = mask;
     }
