@@ -28,8 +28,9 @@ __device__ __forceinline__ void st_vol_v2(uint2 *p, uint2 v) {
 }
 
 /* The first fault wins; [1..3] are written after the code, before the step's
- * check kernel (a later launch) reads them. */
-__device__ void fault_set(int *f, int code, int layer, int row, long long value) {
+ * check kernel (a later launch) reads them. Not inlined: a path that only
+ * runs on bad input, kept out of the hot items' code. */
+__device__ __noinline__ void fault_set(int *f, int code, int layer, int row, long long value) {
     if (atomicCAS(f, 0, code) == 0) {
         f[1] = layer;
         f[2] = row;

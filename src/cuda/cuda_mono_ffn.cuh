@@ -93,7 +93,7 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
          * logits are written too, so staging them is harmless) */
         const bool padded = a.slots[t] < 0;
         const float *l = a.logits + (size_t)t * E;
-#pragma unroll 4
+#pragma unroll 1 /* once per step: small code beats unrolled code here */
         for (int e = lane; e < E; e += 32) {
             float sg = m3_sigmoid(__ldcg(l + e));
             float key = sg + (a.rbias ? __ldg(a.rbias + e) : 0.0f);
