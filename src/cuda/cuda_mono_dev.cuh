@@ -388,22 +388,26 @@ __device__ void gemv_rows_f32(float (&acc)[kRW][NR], const float *w, int64_t n0,
         __syncthreads();
         stage_x<NR>(xs, rowp, rows, kc, kn);
         __syncthreads();
+        /* each row's four activations read once (one 8-byte shared load,
+         * converted once) for both weight rows; every acc[r][t] still sums
+         * its terms in the same order */
 #pragma unroll
-        for (int r = 0; r < kRW; r++) {
-            int64_t n = n0 + r;
-            if (n >= N)
+        for (int u = 0; u < kKC / 128; u++) {
+            int k = u * 128 + lane * 4;
+            if (k >= kn)
                 continue;
 #pragma unroll
-            for (int u = 0; u < kKC / 128; u++) {
-                int k = u * 128 + lane * 4;
-                if (k >= kn)
-                    continue;
+            for (int t = 0; t < NR; t++) {
+                const uint2 xv = *reinterpret_cast<const uint2 *>(xs + t * kKC + k);
+                const float x0 = __uint_as_float(xv.x << 16);
+                const float x1 = __uint_as_float(xv.x & 0xffff0000u);
+                const float x2 = __uint_as_float(xv.y << 16);
+                const float x3 = __uint_as_float(xv.y & 0xffff0000u);
 #pragma unroll
-                for (int t = 0; t < NR; t++) {
-                    const uint16_t *xr = xs + t * kKC + k;
-                    acc[r][t] += wv[r][u].x * m3_bf(xr[0]) + wv[r][u].y * m3_bf(xr[1]) +
-                                 wv[r][u].z * m3_bf(xr[2]) + wv[r][u].w * m3_bf(xr[3]);
-                }
+                for (int r = 0; r < kRW; r++)
+                    if (n0 + r < N)
+                        acc[r][t] += wv[r][u].x * x0 + wv[r][u].y * x1 + wv[r][u].z * x2 +
+                                     wv[r][u].w * x3;
             }
         }
     }
