@@ -316,11 +316,13 @@ template <int NR, bool FP8>
 __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W, int64_t n0,
                                            int64_t N, int k0, int k1,
                                            const uint16_t *const *rowp, int rows, uint16_t *xs,
-                                           int lane) {
+                                           int lane, const unsigned *wait_c, unsigned wait_n) {
     for (int kc = k0; kc < k1; kc += kKC) {
         int kn = min(kKC, k1 - kc);
         WBuf<FP8> b;
         chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */
+        if (wait_c && kc == k0)
+            wait_count(wait_c, wait_n); /* the first chunk's weights in flight meanwhile */
         __syncthreads(); /* the previous chunk (or item) is consumed */
         stage_x<NR>(xs, rowp, rows, kc, kn);
         __syncthreads();
@@ -332,23 +334,28 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
 /* This warp's rows n0, n0 + 1 (of N) over K columns [k0, k1) for activation
  * rows ctl.rowp[0, rows); sums reduced over the warp. Every thread of the
  * CTA calls it (it synchronises the CTA), each warp with its own rows.
- * skip (CTA-uniform): zeros, nothing read. */
+ * skip (CTA-uniform): zeros, nothing read. wait_c (optional): the
+ * activations' counter, waited for at wait_n after the first chunk's weight
+ * loads are issued (the loads do not depend on it). */
 template <int NR, int V>
 __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int64_t N, int k0,
                           int k1, const uint16_t *const *rowp, int rows, uint16_t *xs,
-                          bool skip) {
+                          bool skip, const unsigned *wait_c = nullptr, unsigned wait_n = 0) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < kRW; r++)
 #pragma unroll
         for (int t = 0; t < NR; t++)
             acc[r][t] = 0.0f;
-    if (skip)
+    if (skip || k1 <= k0) {
+        if (wait_c)
+            wait_count(wait_c, wait_n);
         return;
+    }
     if ((V & V_F8) && W.fp8)
-        gemv_kloop<NR, true>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane);
+        gemv_kloop<NR, true>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane, wait_c, wait_n);
     else
-        gemv_kloop<NR, false>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane);
+        gemv_kloop<NR, false>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane, wait_c, wait_n);
 #pragma unroll
     for (int r = 0; r < kRW; r++)
 #pragma unroll

@@ -126,13 +126,15 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     const int slice = local % s, tile = base / kTile + local / s;
     int k0, k1;
     k_slice(a.H, s, slice, &k0, &k1);
-    wait_count(&a.ctr[C_NORM1], (unsigned)a.T);
     set_rows(ctl, a.x1, a.H, a.T);
     const int warp = threadIdx.x >> 5;
     const int vr = tile * kTile + warp * kRW; /* this warp's first virtual row */
     float acc[kRW][NR];
+    /* norm1 waited for inside, once the first chunk's weights are asked for
+     * (the first wave of items waits ~6 us for it at one row) */
     gemv_rows<NR, V>(acc, wrow_of(*m), vr - base, m->n, k0, k1, ctl.rowp, a.T,
-                  reinterpret_cast<uint16_t *>(dsm), faulted);
+                     reinterpret_cast<uint16_t *>(dsm), faulted, &a.ctr[C_NORM1],
+                     (unsigned)a.T);
     /* partial slots: s_pmax per tile whatever the matrix's own split */
     if (!split_reduce<NR>(acc, s, slice, tile, a.part_proj, a.ctr + a.o_ptile, ctl, a.s_pmax))
         return;
