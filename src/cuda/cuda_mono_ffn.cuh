@@ -18,12 +18,14 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     const int KQ = a.Nq * kHD;
     int k0, k1;
     k_slice(KQ, a.s_o, slice, &k0, &k1);
-    /* (the kernel's loop waited for attention: post_dep) */
     set_rows(ctl, a.attn, KQ, a.T);
     const int warp = threadIdx.x >> 5;
     float acc[kRW][NR];
+    /* attention waited for inside, once the first chunk's weights are asked
+     * for (not in the item loop: post_dep) */
     gemv_rows<NR, V>(acc, wrow_of(a.wo), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp, a.T,
-                  reinterpret_cast<uint16_t *>(dsm), faulted);
+                     reinterpret_cast<uint16_t *>(dsm), faulted, &a.ctr[C_ATT],
+                     (unsigned)(a.T * a.Nq));
     if (!split_reduce<NR>(acc, a.s_o, slice, tile, a.part_o, a.ctr + a.o_otile, ctl))
         return;
     for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {

@@ -75,7 +75,7 @@ enum { K_SEL, K_ATT, K_OPROJ, K_NORM2, K_ROUTER, K_SHGU, K_EGU, K_SHDN, K_EDN, K
 
 /* What a post item waits for before it starts: counter c at target (c
  * null: nothing, or the item waits inside, after work that does not need
- * the input: edn reads the plan first). */
+ * the input: edn reads the plan first, o_proj asks for its first weights). */
 struct ItemDep {
     const unsigned *c;
     unsigned target;
@@ -92,7 +92,6 @@ __device__ __forceinline__ ItemDep post_dep(const MonoArgs &a, int kind, int loc
         const int mt = h % a.group / kHeadTile;
         return {&a.ctr[a.o_att + (t * a.Nkv + g) * a.mtiles + mt], (unsigned)a.S};
     }
-    case K_OPROJ: return {&a.ctr[C_ATT], (unsigned)(a.T * a.Nq)};
     case K_NORM2: return {&a.ctr[C_OPROJ], (unsigned)(a.H / kTile)};
     case K_ROUTER:
     case K_SHGU: return {&a.ctr[C_NORM2], (unsigned)a.T};
