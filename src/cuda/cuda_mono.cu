@@ -6,8 +6,10 @@
  *
  * Launch structure. Both kernels run P = SMs x (resident CTAs per SM)
  * CTAs of 128 threads (4 warps). Work is a list of items in a fixed order;
- * a CTA takes the next item from a queue counter (one atomic, prefetched
- * while it works on the current item) until the list is exhausted.
+ * a CTA takes the next item from a queue counter (one atomic, in flight
+ * while it works on the current item) until the list is exhausted. In the
+ * post kernel an item's input is waited for in the item loop before the
+ * next item is reserved (post_dep), so a waiting CTA holds no second item.
  * Dependencies between items are counters in device memory: a producer
  * bumps a counter after its writes (fence + atomic: release), a consumer
  * spins on it (ld.acquire) before reading; the "last arriver" of a group
@@ -31,8 +33,9 @@
  *        (k, v, ik) | index scores (row, slice of blocks), waiting only for
  *        the index heads.
  *   post (launch 2): selection (row, head) | attention (row, KV head, head
- *        tile, split: one selected block per split), the last split of a
- *        group merges the partials | o_proj tiles | norm2 rows | router
+ *        tile, split: one selected block per split) | merge (row, query
+ *        head: the head's partials, once every split of its group has
+ *        arrived) | o_proj tiles | norm2 rows | router
  *        tiles (fp32), the last one routes every row and plans the distinct
  *        experts | shared expert gate+up tiles | routed gate+up tiles
  *        (n_uniq x I/4, only the experts the rows route to) | shared down
@@ -273,7 +276,8 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * addend, weight) and the routing plan (its sort, then 2 x E staged
      * floats per warp), which always fit: the kernels have no second path
      * for them (norm_row, route_and_plan). The head epilogue's 4 KiB and
-     * the attention merge's 4 KiB fit too. */
+     * the attention merge's partials (at most 33 KiB) fit too (static
+     * assert). */
     const size_t sel_min = (sizeof(SelShared) + 15) / 16 * 16;
     const size_t need[] = {(size_t)kAttnSmem,
                            idx_smem(Ni),
