@@ -8,8 +8,10 @@
  * CTAs of 128 threads (4 warps). Work is a list of items in a fixed order;
  * a CTA takes the next item from a queue counter (one atomic, in flight
  * while it works on the current item) until the list is exhausted. In the
- * post kernel an item's input is waited for in the item loop before the
- * next item is reserved (post_dep), so a waiting CTA holds no second item.
+ * post kernel most items' input is waited for in the item loop before the
+ * next item is reserved (post_dep), so a CTA waiting there holds no second
+ * item (o_proj and routed down items wait inside, after asking for their
+ * weights, and do hold one).
  * Dependencies between items are counters in device memory: a producer
  * bumps a counter after its writes (fence + atomic: release), a consumer
  * spins on it (ld.acquire) before reading; the "last arriver" of a group

@@ -200,7 +200,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
          * CTAs that are free (reserved at the start, a waiting router item
          * held the next one, and half the router phase ran a second wave
          * after norm2). The reservation's atomic is in flight during the
-         * item, as before. */
+         * item, as before. (Kinds without a post_dep wait inside and hold
+         * their next item meanwhile; the queue's order keeps that safe:
+         * every wait is for an earlier item.) */
         if (kind == K_ROUTER && !faulted)
             router_prefetch(a, cur);
         const ItemDep dep = post_dep(a, kind, cur);
