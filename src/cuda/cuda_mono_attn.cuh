@@ -196,8 +196,11 @@ __device__ void attn_partial(const MonoArgs &a, const AttnCta &c, WarpAttn<kHD> 
  * shared memory at once (one round trip: a single merging CTA that walked
  * all 16 heads took ~10 us on the one-row chain, docs/PERF.md); then each
  * thread owns one dim and sums the splits in order, with the factors every
- * thread recomputes (the same operations in the same order as the stock
- * merge, so the same bits). smem: S x 128 floats + S (max, sum) pairs. */
+ * thread recomputes: the same operations in the same order as the
+ * group-wide merge this replaced, so the same bits. (The stock path's
+ * attn_combine_kernel sums strided split groups, then the groups: its
+ * values differ from these by fp32 summation order, as before.) smem:
+ * S x 128 floats + S (max, sum) pairs. */
 static_assert(kMaxSplits * (kHD * 4 + 8) <= kAttnSmem, "merge partials in shared memory");
 
 __device__ void merge_item(const MonoArgs &a, unsigned char *smem, int item, bool faulted) {
