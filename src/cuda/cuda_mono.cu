@@ -151,7 +151,7 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
-    int spin_ns, poll_acquire; /* tuning knobs (see m3_cuda_mono_create) */
+    int spin_ns, poll_acquire, shdn_early; /* tuning knobs (see m3_cuda_mono_create) */
 };
 
 #define MONO_FAIL(st, ...) m3_fail((st), "mono: " __VA_ARGS__)
@@ -322,6 +322,9 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * weight prefetch and the staging loop). */
     m->spin_ns = env_int("M3_MONO_SPIN_NS", 64, 0, 1000000);
     m->poll_acquire = env_int("M3_MONO_POLL_ACQUIRE", 0, 0, 1);
+    /* M3_MONO_SHDN_EARLY=1: the shared down items queued before the routed
+     * experts (they wait only for the shared gate/up) */
+    m->shdn_early = env_int("M3_MONO_SHDN_EARLY", 0, 0, 1);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -331,13 +334,19 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     m->s_pmax = 1;
     for (int i = 0; i < 5; i++) {
         m->s_p[i] = stock_splits(sm, p_rows[i], H, 16);
+        m->s_p[i] = env_int("M3_MONO_SPLITS_P", m->s_p[i], 1, 64); /* experiments */
         m->s_pmax = m->s_p[i] > m->s_pmax ? m->s_p[i] : m->s_pmax;
         m->p_item0[i + 1] = m->p_item0[i] + (int)(p_rows[i] / kTile) * m->s_p[i];
     }
     m->s_o = stock_splits(sm, H, (int64_t)Nq * kHD, 16);
+    m->s_o = env_int("M3_MONO_SPLITS_O", m->s_o, 1, 64); /* experiments */
     m->s_rt = stock_splits(sm, E, H, 8);
     m->s_shgu = Is ? stock_splits(sm, Is, H, 16) : 1;
     m->s_shdn = Is ? stock_splits(sm, H, Is, 16) : 1;
+    /* experiments: M3_MONO_SPLITS_SHGU / _SHDN override the shared expert's
+     * K splits (any count is correct; fp32 sums in another order) */
+    m->s_shgu = env_int("M3_MONO_SPLITS_SHGU", m->s_shgu, 1, 64);
+    m->s_shdn = env_int("M3_MONO_SPLITS_SHDN", m->s_shdn, 1, 64);
 
     /* counters */
     int at = C_FIXED;
@@ -767,6 +776,7 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.landing = m->landing;
     a.spin_ns = m->spin_ns;
     a.poll_acquire = m->poll_acquire;
+    a.shdn_early = m->shdn_early;
     a.trace = m->tracing ? m->trace : NULL;
     a.trace_n = m->trace_n;
     a.trace_cap = m->trace_cap;

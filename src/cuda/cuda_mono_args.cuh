@@ -128,6 +128,7 @@ struct MonoArgs {
     uint2 *landing;      /* this rank's */
     /* tuning knobs (see cuda_mono.cu) */
     int spin_ns;      /* M3_MONO_SPIN_NS */
+    int shdn_early;   /* M3_MONO_SHDN_EARLY */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed
                        * polls, then one acquire) */
     /* item trace (M3_MONO_TRACE): [cap] x {meta, start ns, end ns, inputs ready ns} */

@@ -145,7 +145,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int n_shgu = a.Is ? (a.Is / 4) * a.s_shgu : 0;
     const int n_shdn = a.Is ? (a.H / kTile) * a.s_shdn : 0;
     const int n_fin = (V & V_TP) ? a.T * ((a.H + 1023) / 1024) : 0;
-    const int base_dyn = n_sel + n_att + n_mrg + n_o + n_n2 + n_rt + n_shgu;
+    const int n_shdn0 = a.shdn_early ? n_shdn : 0; /* shared down items before the routed */
+    const int base_dyn = n_sel + n_att + n_mrg + n_o + n_n2 + n_rt + n_shgu + n_shdn0;
     if (threadIdx.x == 0) {
         ctl.cur = (int)atomicAdd(&a.ctr[C_QUEUE], 1u);
         /* Landing tags (world > 1) from the count of earlier post launches,
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             const int nu = __ldcg(a.n_uniq);
             n_egu = nu * (a.I / 4);
             n_edn = nu * edn_groups(a.H);
-            if (cur - base_dyn >= n_egu + n_shdn + n_edn + n_fin)
+            if (cur - base_dyn >= n_egu + (n_shdn - n_shdn0) + n_edn + n_fin)
                 break;
         }
         const int item = cur;
@@ -186,11 +187,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             kind = K_ROUTER;
         else if ((cur -= n_rt) < n_shgu)
             kind = K_SHGU;
-        else if ((cur -= n_shgu) < n_egu)
-            kind = K_EGU;
-        else if ((cur -= n_egu) < n_shdn)
+        else if ((cur -= n_shgu) < n_shdn0)
             kind = K_SHDN;
-        else if ((cur -= n_shdn) < n_edn)
+        else if ((cur -= n_shdn0) < n_egu)
+            kind = K_EGU;
+        else if ((cur -= n_egu) < n_shdn - n_shdn0)
+            kind = K_SHDN;
+        else if ((cur -= n_shdn - n_shdn0) < n_edn)
             kind = K_EDN;
         else
             kind = K_FIN, cur -= n_edn;
