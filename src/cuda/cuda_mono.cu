@@ -151,7 +151,7 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
-    int spin_ns, poll_acquire, shdn_early; /* tuning knobs (see m3_cuda_mono_create) */
+    int spin_ns, poll_acquire, shdn_early, edn_sub; /* tuning knobs (see m3_cuda_mono_create) */
 };
 
 #define MONO_FAIL(st, ...) m3_fail((st), "mono: " __VA_ARGS__)
@@ -325,6 +325,8 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     /* M3_MONO_SHDN_EARLY=1: the shared down items queued before the routed
      * experts (they wait only for the shared gate/up) */
     m->shdn_early = env_int("M3_MONO_SHDN_EARLY", 0, 0, 1);
+    /* M3_MONO_EDN_SUB=n: 8-column tiles per routed down item */
+    m->edn_sub = env_int("M3_MONO_EDN_SUB", 4, 1, 8);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -777,6 +779,7 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.spin_ns = m->spin_ns;
     a.poll_acquire = m->poll_acquire;
     a.shdn_early = m->shdn_early;
+    a.edn_sub = m->edn_sub;
     a.trace = m->tracing ? m->trace : NULL;
     a.trace_n = m->trace_n;
     a.trace_cap = m->trace_cap;

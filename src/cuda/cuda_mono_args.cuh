@@ -129,6 +129,7 @@ struct MonoArgs {
     /* tuning knobs (see cuda_mono.cu) */
     int spin_ns;      /* M3_MONO_SPIN_NS */
     int shdn_early;   /* M3_MONO_SHDN_EARLY */
+    int edn_sub;      /* M3_MONO_EDN_SUB: 8-column tiles per routed down item (1..8) */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed
                        * polls, then one acquire) */
     /* item trace (M3_MONO_TRACE): [cap] x {meta, start ns, end ns, inputs ready ns} */

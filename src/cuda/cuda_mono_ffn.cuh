@@ -222,9 +222,7 @@ __device__ void router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int
 /* ---------------------------------------------------------------- experts */
 
 /* 8-column tiles per routed down item (see edn_item) */
-constexpr int kEdnSub = 4;
-constexpr int kEdnSubMax = 8;
-static_assert(kEdnSub <= kEdnSubMax, "edn sub-tiles");
+constexpr int kEdnSubMax = 8; /* a.edn_sub <= this (M3_MONO_EDN_SUB) */
 
 /* y for columns [tile * 8, tile * 8 + 8) of every row: world 1 rounds the
  * expert and shared outputs (SPEC rounding points) and y once; world > 1
@@ -377,20 +375,20 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
 }
 
 /* Routed down of slot u's expert, output columns [tile*8, tile*8 + 8) for
- * kEdnSub consecutive tiles (fewer, larger items: at 16 rows the 8-column
+ * a.edn_sub consecutive tiles (fewer, larger items: at 16 rows the 8-column
  * items numbered n_uniq x H/8, each paying the item overhead for 12 KB):
  * fp32 (rounded by the combine for world 1, a partial for world > 1). Each
  * item arrives at its tiles' combine counters once, after all of them. */
-__host__ __device__ __forceinline__ int edn_groups(int H) {
-    return (H / kTile + kEdnSub - 1) / kEdnSub;
+__host__ __device__ __forceinline__ int edn_groups(int H, int sub) {
+    return (H / kTile + sub - 1) / sub;
 }
 
 template <int ENR, int V>
 __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                          bool faulted) {
-    const int tiles = a.H / kTile, groups = edn_groups(a.H);
-    const int u = item / groups, tile0 = (item % groups) * kEdnSub;
-    const int ntile = min(kEdnSub, tiles - tile0);
+    const int tiles = a.H / kTile, groups = edn_groups(a.H, a.edn_sub);
+    const int u = item / groups, tile0 = (item % groups) * a.edn_sub;
+    const int ntile = min(a.edn_sub, tiles - tile0);
     const int warp = threadIdx.x >> 5;
     int e = 0, f0 = 0, f1 = 0;
     if (!faulted) { /* the plan is published: this item exists */
