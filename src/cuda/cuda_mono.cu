@@ -39,10 +39,12 @@
  *        head: the head's partials, once every split of its group has
  *        arrived) | o_proj tiles | norm2 rows | router
  *        tiles (fp32), the last one routes every row and plans the distinct
- *        experts | shared expert gate+up tiles | routed gate+up tiles
- *        (n_uniq x I/4, only the experts the rows route to) | shared down
- *        tiles | routed down tiles (n_uniq x H/8) — the last contribution
- *        to an 8-column tile of the output combines it | TP: final sums.
+ *        experts | shared expert gate+up tiles | shared down tiles (both
+ *        beside the router and the plan, where CTAs would only wait) |
+ *        routed gate+up tiles (n_uniq x I/4, only the experts the rows
+ *        route to) | routed down items (n_uniq x H/8/sub) — the last
+ *        contribution to an 8-column tile of the output combines it | TP:
+ *        final sums.
  *
  * GEMV tiles: 8 output rows (2 per warp) over K, the rows' activations
  * staged in shared memory 1024 columns at a time (cp.async); weights
@@ -54,7 +56,8 @@
  * measured and removed: the prefetches issued when a kernel starts delayed
  * the chain's first loads more than they saved, docs/PERF.md; the router's
  * 3 MB of fp32 rows are still asked for.) Routed down items cover four
- * 8-column tiles of one expert. Narrow matrices are split over K by the
+ * 8-column tiles of one expert (eight above 8 rows). Narrow matrices
+ * (except the shared gate/up, off the chain) are split over K by the
  * rule the stock linear op used before its chunk groups (1024-column
  * slices; the count depends on the shape and the SM count, never on the
  * row count), and the tile's last arriver sums the partials in slice
@@ -322,11 +325,16 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * weight prefetch and the staging loop). */
     m->spin_ns = env_int("M3_MONO_SPIN_NS", 64, 0, 1000000);
     m->poll_acquire = env_int("M3_MONO_POLL_ACQUIRE", 0, 0, 1);
-    /* M3_MONO_SHDN_EARLY=1: the shared down items queued before the routed
-     * experts (they wait only for the shared gate/up) */
-    m->shdn_early = env_int("M3_MONO_SHDN_EARLY", 0, 0, 1);
-    /* M3_MONO_EDN_SUB=n: 8-column tiles per routed down item */
-    m->edn_sub = env_int("M3_MONO_EDN_SUB", 4, 1, 8);
+    /* The shared expert runs beside the router and the routing plan, where
+     * most CTAs only wait: its down items are queued before the routed
+     * experts' items (they wait only for the shared gate/up), not after
+     * them. M3_MONO_SHDN_EARLY=0 queues them after (docs/PERF.md, thirteenth
+     * session). */
+    m->shdn_early = env_int("M3_MONO_SHDN_EARLY", 1, 0, 1);
+    /* M3_MONO_EDN_SUB=n: 8-column tiles per routed down item (0, the
+     * default: 8 above 8 rows, else 4; fewer, larger items pay at 16 rows,
+     * not at one) */
+    m->edn_sub = env_int("M3_MONO_EDN_SUB", 0, 0, 8);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -343,7 +351,10 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     m->s_o = stock_splits(sm, H, (int64_t)Nq * kHD, 16);
     m->s_o = env_int("M3_MONO_SPLITS_O", m->s_o, 1, 64); /* experiments */
     m->s_rt = stock_splits(sm, E, H, 8);
-    m->s_shgu = Is ? stock_splits(sm, Is, H, 16) : 1;
+    /* the shared gate/up unsplit: off the chain, so fewer and larger items
+     * (all of K, no partial sums) finish sooner, before the routing plan;
+     * the stock rule's 6 splits made 1,152 items of 16 KB */
+    m->s_shgu = 1;
     m->s_shdn = Is ? stock_splits(sm, H, Is, 16) : 1;
     /* experiments: M3_MONO_SPLITS_SHGU / _SHDN override the shared expert's
      * K splits (any count is correct; fp32 sums in another order) */
@@ -779,7 +790,7 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.spin_ns = m->spin_ns;
     a.poll_acquire = m->poll_acquire;
     a.shdn_early = m->shdn_early;
-    a.edn_sub = m->edn_sub;
+    a.edn_sub = m->edn_sub ? m->edn_sub : (a.T > 8 ? 8 : 4);
     a.trace = m->tracing ? m->trace : NULL;
     a.trace_n = m->trace_n;
     a.trace_cap = m->trace_cap;
