@@ -40,13 +40,13 @@ DEF = re.compile(r"^(?:template <[^>]*>\s*)?(?:static\s+)?__(?:device|global)__[
 LOCAL = re.compile(r"\b(STL|LDL)(\.\w+)*\s")
 
 
-def line_counts(cubin, name, only=None):
-    """{(file path, line): instructions} for the functions whose name contains
-    name; with only (a compiled regex), just the instructions it finds."""
+def instructions(cubin, name):
+    """(function, offset, text, (file path, line) or None) of every
+    instruction of the functions whose name contains name, in order."""
     run = subprocess.run([nvdisasm(), "-g", "-c", cubin], capture_output=True, text=True)
     if run.returncode != 0:
         sys.exit("sass_size: nvdisasm failed: %s" % run.stderr.strip())
-    counts, fn, where, seen = collections.Counter(), None, None, set()
+    fn, where, seen = None, None, False
     for text in run.stdout.splitlines():
         m = re.match(r"\s*\.section\s+\.text\.([^,\s]+)", text)
         if m:
@@ -57,16 +57,26 @@ def line_counts(cubin, name, only=None):
         if m:
             where = (m.group(1), int(m.group(2)))
             continue
-        if fn and name in fn and re.match(r"\s+/\*[0-9a-f]{4,}\*/", text):
-            seen.add(fn)
-            if only is None:
-                counts[where] += 1
-            else:
-                m = only.search(text)
-                if m:
-                    counts[(where, m.group(1))] += 1
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/", text)
+        if fn and name in fn and m:
+            seen = True
+            yield fn, int(m.group(1), 16), text, where
     if not seen:
         sys.exit("sass_size: no function in %s contains %r" % (cubin, name))
+
+
+def line_counts(cubin, name, only=None):
+    """{(file path, line): instructions} for the functions whose name contains
+    name; with only (a compiled regex), just the instructions it finds."""
+    counts, seen = collections.Counter(), set()
+    for fn, _, text, where in instructions(cubin, name):
+        seen.add(fn)
+        if only is None:
+            counts[where] += 1
+        else:
+            m = only.search(text)
+            if m:
+                counts[(where, m.group(1))] += 1
     return counts, sorted(seen)
 
 
