@@ -8,7 +8,11 @@ inputs (a counter) and working after they were ready, and the median work
 of a CTA's first item of the kind against its later ones ("1st / again":
 the first runs the kind's code cold on its SM and starts with every other
 CTA's first item at once). The gaps between kinds are where CTAs waited.
-Older traces without the ready column show no split.
+Older traces without the ready column show no split. Traces of a build
+with -DM3_MONO_MARKS have up to six mark columns (times inside each item:
+each GEMV chunk's activations staged, a routed down item's outputs
+written, its combine arrival): their medians, in µs after the item's
+inputs were ready, are printed under each kind.
 """
 import sys
 from collections import defaultdict
@@ -29,7 +33,8 @@ def main(path):
         k, kind, cta, item, t0, t1 = r[:6]
         ready = r[6] if len(r) > 6 else 0
         ready = min(max(ready, t0), t1)  # 0 (no wait) or before the item: no wait
-        by[(k, kind)].append((t0, t1, cta, ready, item))
+        marks = [m - ready if m else None for m in r[7:]]
+        by[(k, kind)].append((t0, t1, cta, ready, item, marks))
     # per CTA, in start order: is this the CTA's first item of its kind?
     first = {}
     seen = set()
@@ -64,6 +69,12 @@ def main(path):
                    (max(x[1] for x in v) - start) / 1e3,
                    sum(d) / 1e3, median(d) / 1e3, median(wait) / 1e3,
                    median(work) / 1e3, d[-1] / 1e3, split))
+            nm = max(len(x[5]) for x in v)
+            cols = [sorted(x[5][j] for x in v if j < len(x[5]) and x[5][j] is not None)
+                    for j in range(nm)]
+            if any(cols):
+                print("        marks after ready: " + " ".join(
+                    "%.2f (n=%d)" % (median(c) / 1e3, len(c)) if c else "-" for c in cols))
 
 
 if __name__ == "__main__":

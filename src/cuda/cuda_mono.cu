@@ -469,7 +469,7 @@ extern "C" void m3_cuda_mono_free(m3_cuda_mono *m) {
 extern "C" m3_status m3_cuda_mono_trace_start(m3_cuda_mono *m) {
     if (!m->trace) {
         m->trace_cap = 1u << 16;
-        M3_CUDA_TRY(cudaMalloc((void **)&m->trace, (size_t)m->trace_cap * 4 * 8));
+        M3_CUDA_TRY(cudaMalloc((void **)&m->trace, (size_t)m->trace_cap * kTraceWords * 8));
         M3_CUDA_TRY(cudaMalloc((void **)&m->trace_n, sizeof *m->trace_n));
     }
     M3_CUDA_TRY(cudaMemsetAsync(m->trace_n, 0, sizeof *m->trace_n, m->cu->stream));
@@ -484,18 +484,24 @@ extern "C" m3_status m3_cuda_mono_trace_write(m3_cuda_mono *m, const char *path)
     M3_CUDA_TRY(cudaStreamSynchronize(m->cu->stream));
     M3_CUDA_TRY(cudaMemcpy(&n, m->trace_n, sizeof n, cudaMemcpyDeviceToHost));
     n = n < m->trace_cap ? n : m->trace_cap;
-    unsigned long long *h = (unsigned long long *)malloc((size_t)n * 4 * 8 + 8);
+    unsigned long long *h = (unsigned long long *)malloc((size_t)n * kTraceWords * 8 + 8);
     if (!h)
         return MONO_FAIL(M3_ERR_NO_MEMORY, "out of memory for the trace");
-    cudaError_t e = cudaMemcpy(h, m->trace, (size_t)n * 4 * 8, cudaMemcpyDeviceToHost);
+    cudaError_t e = cudaMemcpy(h, m->trace, (size_t)n * kTraceWords * 8, cudaMemcpyDeviceToHost);
     FILE *f = e == cudaSuccess ? fopen(path, "w") : NULL;
     if (f) {
-        fprintf(f, "kernel kind cta item start_ns end_ns ready_ns\n");
+        fprintf(f, "kernel kind cta item start_ns end_ns ready_ns");
+        for (int j = 0; j < kMarks; j++)
+            fprintf(f, " mark%d_ns", j);
+        fprintf(f, "\n");
         for (unsigned i = 0; i < n; i++) {
-            unsigned long long meta = h[4 * i];
-            fprintf(f, "%u %u %u %u %llu %llu %llu\n", (unsigned)(meta >> 56),
+            const unsigned long long *rec = h + (size_t)kTraceWords * i, meta = rec[0];
+            fprintf(f, "%u %u %u %u %llu %llu %llu", (unsigned)(meta >> 56),
                     (unsigned)(meta >> 48) & 0xff, (unsigned)(meta >> 32) & 0xffff,
-                    (unsigned)meta, h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]);
+                    (unsigned)meta, rec[1], rec[2], rec[3]);
+            for (int j = 0; j < kMarks; j++)
+                fprintf(f, " %llu", rec[4 + j]);
+            fprintf(f, "\n");
         }
         fclose(f);
     }

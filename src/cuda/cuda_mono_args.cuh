@@ -39,7 +39,16 @@ constexpr int kMaxTopE = 16;               /* experts per token */
 constexpr int kMaxAssign = kMaxT * kMaxTopE;
 constexpr int kMaxSplits = 64;             /* attention splits = top-k blocks */
 constexpr int kHeadTile = 16;              /* query heads per attention item (MMA M) */
-constexpr int kCtasPerSm = 3;              /* launch bound; occupancy is queried */
+constexpr int kCtasPerSm = 3;
+/* The item trace's record (M3_MONO_TRACE): meta, start, end, inputs ready,
+ * then, in a build with -DM3_MONO_MARKS (a diagnostic build: CUDAFLAGS),
+ * the times of the item's first kMarks mark() points (0: not reached). */
+#ifdef M3_MONO_MARKS
+constexpr int kMarks = 6;
+#else
+constexpr int kMarks = 0;
+#endif
+constexpr int kTraceWords = 4 + kMarks;              /* launch bound; occupancy is queried */
 /* Kernel variants: the code of the MXFP8 GEMV (V_F8: some weight of the
  * layer is e4m3) and of the in-kernel all-reduces (V_TP: world > 1) is
  * compiled only into the variants that run it. A path that never runs

@@ -45,6 +45,20 @@ __device__ __noinline__ void fault_set(int *f, int code, int layer, int row, lon
  * the time the current item's last wait ended (the item trace). */
 __shared__ int s_spin_ns, s_poll_acquire;
 __shared__ unsigned long long s_t_ready;
+#ifdef M3_MONO_MARKS
+__shared__ unsigned long long s_marks[kMarks];
+__shared__ int s_nmark;
+#endif
+
+/* A point inside an item, for the trace (M3_MONO_MARKS builds only: the
+ * timer reads and their code would slow every item). Thread 0 only, so a
+ * mark after a barrier is the CTA's time there. */
+__device__ __forceinline__ void mark() {
+#ifdef M3_MONO_MARKS
+    if (threadIdx.x == 0 && s_nmark < kMarks)
+        s_marks[s_nmark++] = gtimer();
+#endif
+}
 
 __device__ __forceinline__ void knobs_init(const MonoArgs &a) {
     if (threadIdx.x == 0) {
@@ -326,6 +340,7 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
         __syncthreads(); /* the previous chunk (or item) is consumed */
         stage_x<NR>(xs, rowp, rows, kc, kn);
         __syncthreads();
+        mark(); /* the chunk's activations staged */
         if (n0 < N)
             chunk_fma<NR, FP8>(acc, b, kn, xs, lane);
     }

@@ -287,6 +287,7 @@ __device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, 
         ctl.flag = mask;
     }
     __syncthreads();
+    mark(); /* arrived at the combine counters */
     const int mask = ctl.flag;
     if (!faulted)
         for (int j = 0; j < n; j++)
@@ -421,6 +422,7 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
             }
         }
     }
+    mark(); /* the tiles' outputs written */
     combine_arrive_n<V>(a, ctl, tile0, ntile, faulted);
 }
 

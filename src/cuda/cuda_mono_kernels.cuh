@@ -43,6 +43,9 @@ __device__ __forceinline__ int next_item(const MonoArgs &a, Ctl &ctl, bool *faul
     if (threadIdx.x == 0) {
         ctl.faulted = ld_vol(a.fault) != 0;
         s_t_ready = 0;
+#ifdef M3_MONO_MARKS
+        s_nmark = 0;
+#endif
     }
     __syncthreads();
     int cur = ctl.cur;
@@ -64,10 +67,15 @@ __device__ __forceinline__ void trace_item(const MonoArgs &a, int kernel, int ki
     unsigned long long meta = ((unsigned long long)kernel << 56) |
                               ((unsigned long long)kind << 48) |
                               ((unsigned long long)blockIdx.x << 32) | (unsigned)item;
-    a.trace[4 * (size_t)i] = meta;
-    a.trace[4 * (size_t)i + 1] = t0;
-    a.trace[4 * (size_t)i + 2] = gtimer();
-    a.trace[4 * (size_t)i + 3] = s_t_ready; /* 0: the item did not wait */
+    unsigned long long *rec = a.trace + (size_t)kTraceWords * i;
+    rec[0] = meta;
+    rec[1] = t0;
+    rec[2] = gtimer();
+    rec[3] = s_t_ready; /* 0: the item did not wait */
+#ifdef M3_MONO_MARKS
+    for (int j = 0; j < kMarks; j++)
+        rec[4 + j] = j < s_nmark ? s_marks[j] : 0;
+#endif
 }
 
 /* The post kernel's item kinds (the trace's kind numbers, scripts/mono_trace.py) */
