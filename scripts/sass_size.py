@@ -96,6 +96,14 @@ def enclosing(path, cache):
     return cache[path]
 
 
+def line_label(where, cache):
+    """'file:line (function)' for a (path, line) of line_counts / instructions."""
+    if where is None:
+        return "(no line)"
+    path, line = where
+    return "%s:%d (%s)" % (os.path.basename(path), line, enclosing(path, cache).get(line, "?"))
+
+
 def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet under `| head`
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -145,13 +153,7 @@ def spills(args):
           % (args.cubin, ", ".join(fns), kinds["STL"], kinds["LDL"]))
     rows = sorted(by_line.items(), key=lambda kv: -sum(kv[1].values()))[: args.top]
     for where, c in rows:
-        if where is None:
-            label = "(no line)"
-        else:
-            path, line = where
-            label = "%s:%d (%s)" % (os.path.basename(path), line,
-                                    enclosing(path, cache).get(line, "?"))
-        print("  STL %4d  LDL %4d  %s" % (c["STL"], c["LDL"], label))
+        print("  STL %4d  LDL %4d  %s" % (c["STL"], c["LDL"], line_label(where, cache)))
 
 
 if __name__ == "__main__":

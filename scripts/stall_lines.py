@@ -25,7 +25,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_size import enclosing, instructions  # noqa: E402
+from sass_size import instructions, line_label  # noqa: E402
 
 
 def main():
@@ -67,14 +67,9 @@ def main():
           % (args.csv, len(body), len(code), mismatch, total))
     cache = {}
     for where, c in sorted(per.items(), key=lambda kv: -kv[1]["all"])[: args.top]:
-        if where is None:
-            label = "(no line)"
-        else:
-            path, line = where
-            label = "%s:%d (%s)" % (os.path.basename(path), line,
-                                    enclosing(path, cache).get(line, "?"))
         top = " ".join("%s=%d" % (k, v) for k, v in c.most_common(5) if k != "all")
-        print("  %5.2f%%  %-44s %s" % (100.0 * c["all"] / max(total, 1), label, top))
+        print("  %5.2f%%  %-44s %s" % (100.0 * c["all"] / max(total, 1),
+                                       line_label(where, cache), top))
 
 
 if __name__ == "__main__":
