@@ -39,7 +39,7 @@ constexpr int kMaxTopE = 16;               /* experts per token */
 constexpr int kMaxAssign = kMaxT * kMaxTopE;
 constexpr int kMaxSplits = 64;             /* attention splits = top-k blocks */
 constexpr int kHeadTile = 16;              /* query heads per attention item (MMA M) */
-constexpr int kCtasPerSm = 3;
+constexpr int kCtasPerSm = 3;              /* launch bound; occupancy is queried */
 /* The item trace's record (M3_MONO_TRACE): meta, start, end, inputs ready,
  * then, in a build with -DM3_MONO_MARKS (a diagnostic build: CUDAFLAGS),
  * the times of the item's first kMarks mark() points (0: not reached). */
@@ -48,7 +48,7 @@ constexpr int kMarks = 6;
 #else
 constexpr int kMarks = 0;
 #endif
-constexpr int kTraceWords = 4 + kMarks;              /* launch bound; occupancy is queried */
+constexpr int kTraceWords = 4 + kMarks;
 /* Kernel variants: the code of the MXFP8 GEMV (V_F8: some weight of the
  * layer is e4m3) and of the in-kernel all-reduces (V_TP: world > 1) is
  * compiled only into the variants that run it. A path that never runs
@@ -141,7 +141,8 @@ struct MonoArgs {
     int edn_sub;      /* M3_MONO_EDN_SUB: 8-column tiles per routed down item (1..8) */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed
                        * polls, then one acquire) */
-    /* item trace (M3_MONO_TRACE): [cap] x {meta, start ns, end ns, inputs ready ns} */
+    /* item trace (M3_MONO_TRACE): [cap] x kTraceWords {meta, start ns, end ns, inputs
+     * ready ns, marks} */
     unsigned long long *trace;
     unsigned *trace_n;
     unsigned trace_cap;
