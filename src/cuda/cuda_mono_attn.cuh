@@ -242,15 +242,29 @@ __device__ void merge_item(const MonoArgs &a, unsigned char *smem, int item, boo
     signal_count(&a.ctr[C_ATT]);
 }
 
+/* An attention item's place: row t, KV head g, head tile mt, split (the
+ * queue's order: splits fastest); att_item and post_dep both read it. */
+struct AttPos {
+    int t, g, mt, split;
+};
+
+__device__ __forceinline__ AttPos att_pos(const MonoArgs &a, int item) {
+    AttPos p;
+    p.split = item % a.S;
+    int id = item / a.S;
+    p.mt = id % a.mtiles;
+    id /= a.mtiles;
+    p.g = id % a.Nkv;
+    p.t = id / a.Nkv;
+    return p;
+}
+
 __device__ void att_item(const MonoArgs &a, Ctl &ctl, unsigned char *smem, int item,
                          bool faulted) {
-    const int split = item % a.S;
-    int id = item / a.S;
-    const int mt = id % a.mtiles;
-    id /= a.mtiles;
-    const int g = id % a.Nkv, t = id / a.Nkv;
+    const AttPos p = att_pos(a, item);
+    const int t = p.t, g = p.g, mt = p.mt;
     /* (the kernel's loop waited for the selection: post_dep) */
-    AttnCta c = attn_cta(a, t, g, mt, split);
+    AttnCta c = attn_cta(a, t, g, mt, p.split);
     if (!faulted) {
         unsigned char *sq = smem + kQOffset;
         const int warp = threadIdx.x >> 5;

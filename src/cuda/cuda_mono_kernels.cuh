@@ -92,8 +92,8 @@ struct ItemDep {
 __device__ __forceinline__ ItemDep post_dep(const MonoArgs &a, int kind, int local) {
     switch (kind) {
     case K_ATT: {
-        const int t = local / a.S / a.mtiles / a.Nkv, g = local / a.S / a.mtiles % a.Nkv;
-        return {&a.ctr[a.o_sel + t * a.Ni + g], 1u};
+        const AttPos p = att_pos(a, local);
+        return {&a.ctr[a.o_sel + p.t * a.Ni + p.g], 1u};
     }
     case K_MRG: {
         const int t = local / a.Nq, h = local % a.Nq, g = h / a.group;
