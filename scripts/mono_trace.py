@@ -10,9 +10,11 @@ the first runs the kind's code cold on its SM and starts with every other
 CTA's first item at once). The gaps between kinds are where CTAs waited.
 Older traces without the ready column show no split. Traces of a build
 with -DM3_MONO_MARKS have up to six mark columns (times inside each item:
-each GEMV chunk's activations staged, a routed down item's outputs
+each GEMV chunk's activations staged and, from 2026-12-01's fourteenth
+session, warp 0's products of it done; a routed down item's outputs
 written, its combine arrival): their medians, in µs after the item's
-inputs were ready, are printed under each kind.
+inputs were ready, are printed under each kind, for all items and split
+into CTAs' first items of the kind and their later ones.
 """
 import sys
 from collections import defaultdict
@@ -70,11 +72,17 @@ def main(path):
                    sum(d) / 1e3, median(d) / 1e3, median(wait) / 1e3,
                    median(work) / 1e3, d[-1] / 1e3, split))
             nm = max(len(x[5]) for x in v)
-            cols = [sorted(x[5][j] for x in v if j < len(x[5]) and x[5][j] is not None)
-                    for j in range(nm)]
-            if any(cols):
-                print("        marks after ready: " + " ".join(
-                    "%.2f (n=%d)" % (median(c) / 1e3, len(c)) if c else "-" for c in cols))
+            # medians of all items, then of CTAs' first items of the kind and
+            # of their later ones (cold code shows as a first-item-only cost)
+            for label, sel in (("", lambda x: True),
+                               (" 1st", lambda x: first[(k, x[2], x[4], x[0])]),
+                               (" again", lambda x: not first[(k, x[2], x[4], x[0])])):
+                cols = [sorted(x[5][j] for x in v
+                               if sel(x) and j < len(x[5]) and x[5][j] is not None)
+                        for j in range(nm)]
+                if any(cols):
+                    print("        marks after ready%s: " % label + " ".join(
+                        "%.2f (n=%d)" % (median(c) / 1e3, len(c)) if c else "-" for c in cols))
 
 
 if __name__ == "__main__":

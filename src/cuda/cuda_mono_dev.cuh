@@ -343,6 +343,7 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
         mark(); /* the chunk's activations staged */
         if (n0 < N)
             chunk_fma<NR, FP8>(acc, b, kn, xs, lane);
+        mark(); /* warp 0's products of the chunk done (thread 0's time) */
     }
 }
 
