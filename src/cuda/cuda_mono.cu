@@ -154,8 +154,7 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
-    /* tuning knobs (see m3_cuda_mono_create) */
-    int spin_ns, poll_acquire, shdn_early, edn_sub, edn_pf, edn_pf_mb, edn_waitin;
+    int spin_ns, poll_acquire, shdn_early, edn_sub; /* tuning knobs (see m3_cuda_mono_create) */
 };
 
 #define MONO_FAIL(st, ...) m3_fail((st), "mono: " __VA_ARGS__)
@@ -336,14 +335,6 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * default: 8 above 8 rows, else 4; fewer, larger items pay at 16 rows,
      * not at one) */
     m->edn_sub = env_int("M3_MONO_EDN_SUB", 0, 0, 8);
-    /* M3_MONO_EDN_PF=1|2: each routed gate/up item asks L2 for the down
-     * rows its expert's down items will read (at the item's start or end),
-     * when all the step's experts' down weights are within
-     * M3_MONO_EDN_PF_MB (default 40); M3_MONO_EDN_WAITIN=1: a routed down
-     * item's first weights in flight while it waits for its expert. */
-    m->edn_pf = env_int("M3_MONO_EDN_PF", 0, 0, 2);
-    m->edn_pf_mb = env_int("M3_MONO_EDN_PF_MB", 40, 0, 1 << 20);
-    m->edn_waitin = env_int("M3_MONO_EDN_WAITIN", 0, 0, 1);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -806,9 +797,6 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.poll_acquire = m->poll_acquire;
     a.shdn_early = m->shdn_early;
     a.edn_sub = m->edn_sub ? m->edn_sub : (a.T > 8 ? 8 : 4);
-    a.edn_pf = m->edn_pf;
-    a.edn_pf_max_bytes = (int64_t)m->edn_pf_mb << 20;
-    a.edn_waitin = m->edn_waitin;
     a.trace = m->tracing ? m->trace : NULL;
     a.trace_n = m->trace_n;
     a.trace_cap = m->trace_cap;

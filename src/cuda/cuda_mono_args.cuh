@@ -139,11 +139,6 @@ struct MonoArgs {
     int spin_ns;      /* M3_MONO_SPIN_NS */
     int shdn_early;   /* M3_MONO_SHDN_EARLY */
     int edn_sub;      /* M3_MONO_EDN_SUB: 8-column tiles per routed down item (1..8) */
-    int edn_pf;       /* M3_MONO_EDN_PF: routed gate/up items ask L2 for their expert's
-                       * down rows (0 off, 1 at the item's start, 2 at its end) */
-    int edn_waitin;   /* M3_MONO_EDN_WAITIN: a routed down item's first tile's weights
-                       * asked for before it waits for its expert's gate/up */
-    int64_t edn_pf_max_bytes; /* M3_MONO_EDN_PF_MB: only when every expert's down fits */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed
                        * polls, then one acquire) */
     /* item trace (M3_MONO_TRACE): [cap] x kTraceWords {meta, start ns, end ns, inputs

@@ -341,29 +341,6 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     combine_arrive_n<V>(a, ctl, tile, 1, faulted);
 }
 
-/* M3_MONO_EDN_PF: ask L2 for the down rows of expert e that correspond to
- * gate/up tile `tile` (rows [tile R, tile R + R), R = ceil(H / (I / 4)):
- * with edn_sub = 4 on M3, exactly the rows of down item `tile`), so the
- * down items, which wait for the whole expert's gate/up, read L2 instead of
- * DRAM. Only when every expert of the step fits the budget (the prefetched
- * rows must stay in L2 until the down phase). A hint: nothing waits for it,
- * and an unaligned or partial range is simply not asked for. */
-__device__ __forceinline__ void edn_prefetch(const MonoArgs &a, int e, int tile) {
-    constexpr int64_t kPiece = 16384; /* bytes per bulk prefetch */
-    const int tiles = a.I / 4, R = (a.H + tiles - 1) / tiles;
-    const int r0 = tile * R, r1 = min(a.H, r0 + R);
-    const int64_t bytes = r1 > r0 ? ((int64_t)(r1 - r0) * a.ed.w_row) & ~(int64_t)15 : 0;
-    if ((int64_t)threadIdx.x * kPiece >= bytes)
-        return;
-    if ((int64_t)__ldcg(a.n_uniq) * a.H * a.ed.w_row > a.edn_pf_max_bytes)
-        return;
-    const uint8_t *p = a.ed.w + (int64_t)e * a.ed.w_stride + (int64_t)r0 * a.ed.w_row;
-    if (reinterpret_cast<uintptr_t>(p) & 15)
-        return;
-    for (int64_t off = threadIdx.x * kPiece; off < bytes; off += kThreads * kPiece)
-        l2_prefetch(p + off, (uint32_t)min(kPiece, bytes - off));
-}
-
 /* Routed gate + up + SwiGLU of slot u's expert, neurons [tile*4, tile*4+4),
  * its members ENR at a time (their x rows gathered). */
 template <int ENR, int V>
@@ -375,8 +352,6 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
         const int e = __ldcg(a.uniq + u), f0 = __ldcg(a.ufirst + u), f1 = __ldcg(a.ufirst + u + 1);
         const WRow W = wrow_expert(warp < 2 ? a.eg : a.eu, e);
         const int64_t n0 = tile * 4 + (warp & 1) * kRW;
-        if (a.edn_pf == 1)
-            edn_prefetch(a, e, tile);
         for (int g0 = f0; g0 < f1; g0 += ENR) {
             const int rows = min(ENR, f1 - g0);
             if ((int)threadIdx.x < rows) {
@@ -396,8 +371,6 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
             }
             __syncthreads(); /* mem / rowp / fin are rewritten by the next group */
         }
-        if (a.edn_pf == 2)
-            edn_prefetch(a, e, tile);
     }
     signal_count(&a.ctr[a.o_egu + u]);
 }
@@ -424,10 +397,7 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
         f0 = __ldcg(a.ufirst + u);
         f1 = __ldcg(a.ufirst + u + 1);
     }
-    /* M3_MONO_EDN_WAITIN: the first tile's weights asked for, then the wait */
-    const bool waitin = a.edn_waitin && !faulted && ntile > 0 && f1 > f0;
-    if (!waitin)
-        wait_count(&a.ctr[a.o_egu + u], (unsigned)(a.I / 4));
+    wait_count(&a.ctr[a.o_egu + u], (unsigned)(a.I / 4));
     for (int j = 0; j < ntile; j++) {
         const int tile = tile0 + j;
         if (!faulted) {
@@ -441,10 +411,8 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
                     ctl.rowp[threadIdx.x] = a.act + (size_t)m * a.I;
                 }
                 float acc[kRW][ENR];
-                const bool first = waitin && j == 0 && g0 == f0;
                 gemv_rows<ENR, V>(acc, W, n0, a.H, 0, a.I, ctl.rowp, rows,
-                                  reinterpret_cast<uint16_t *>(dsm), false,
-                                  first ? &a.ctr[a.o_egu + u] : nullptr, (unsigned)(a.I / 4));
+                               reinterpret_cast<uint16_t *>(dsm), false);
                 acc_to_fin<ENR>(acc, ctl);
                 for (int i = threadIdx.x; i < kTile * rows; i += kThreads) {
                     int r = i / rows, t = i % rows;
