@@ -297,31 +297,69 @@ __device__ __forceinline__ void chunk_load(WBuf<FP8> &b, const WRow &W, int64_t 
         }
 }
 
+/* One piece u of the chunk: acc[r][t] += w[r][piece u] . x[t][piece u],
+ * the weights at b.wv[r][u] (scales b.sc[r][u]). */
+template <int NR, bool FP8>
+__device__ __forceinline__ void piece_fma(float (&acc)[kRW][NR], const WBuf<FP8> &b, int u,
+                                          int k, const uint16_t *xs) {
+    float wf[kRW][8];
+#pragma unroll
+    for (int r = 0; r < kRW; r++) {
+        if constexpr (FP8)
+            e4m3x8_to_f32(b.wv[r][u], b.sc[r][u], wf[r]);
+        else
+            unpack8(b.wv[r][u], wf[r]);
+    }
+#pragma unroll
+    for (int t = 0; t < NR; t++) {
+        float xf[8];
+        unpack8(*reinterpret_cast<const uint4 *>(xs + t * kKC + k), xf);
+#pragma unroll
+        for (int r = 0; r < kRW; r++)
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                acc[r][t] += wf[r][j] * xf[j];
+    }
+}
+
+/* Row counts from which a chunk's pieces run in a loop instead of
+ * unrolled: at 16 rows the unrolled chunk is ~1,000 FMAs per lane, and
+ * every CTA starting a 16-row GEMV phase fetched that code cold (the first
+ * chunk's products 8-10 us, the later ones 2.3-2.6), and it spilled; rolled
+ * from 8 rows, the layer is 4% faster at 8 rows and 8% at 16, the same at
+ * 1-4 (docs/PERF.md, fourteenth session). */
+#ifndef M3_MONO_ROLL_NR
+#define M3_MONO_ROLL_NR 8
+#endif
+constexpr int kRollNR = M3_MONO_ROLL_NR;
+
 template <int NR, bool FP8>
 __device__ __forceinline__ void chunk_fma(float (&acc)[kRW][NR], const WBuf<FP8> &b, int kn,
                                           const uint16_t *xs, int lane) {
-#pragma unroll
-    for (int u = 0; u < kKU; u++) {
-        int k = lane * 8 + u * 256;
-        if (k >= kn)
-            continue;
-        float wf[kRW][8];
-#pragma unroll
-        for (int r = 0; r < kRW; r++) {
-            if constexpr (FP8)
-                e4m3x8_to_f32(b.wv[r][u], b.sc[r][u], wf[r]);
-            else
-                unpack8(b.wv[r][u], wf[r]);
-        }
-#pragma unroll
-        for (int t = 0; t < NR; t++) {
-            float xf[8];
-            unpack8(*reinterpret_cast<const uint4 *>(xs + t * kKC + k), xf);
+    if constexpr (NR >= kRollNR) {
+        /* one piece's code, the next piece's weights moved into place 0
+         * after each: the same products in the same order */
+        WBuf<FP8> w = b;
+#pragma unroll 1
+        for (int u = 0; u < kKU; u++) {
+            const int k = lane * 8 + u * 256;
+            if (k < kn)
+                piece_fma<NR, FP8>(acc, w, 0, k, xs);
 #pragma unroll
             for (int r = 0; r < kRW; r++)
 #pragma unroll
-                for (int j = 0; j < 8; j++)
-                    acc[r][t] += wf[r][j] * xf[j];
+                for (int v = 0; v + 1 < kKU; v++) {
+                    w.wv[r][v] = w.wv[r][v + 1];
+                    if constexpr (FP8)
+                        w.sc[r][v] = w.sc[r][v + 1];
+                }
+        }
+    } else {
+#pragma unroll
+        for (int u = 0; u < kKU; u++) {
+            const int k = lane * 8 + u * 256;
+            if (k < kn)
+                piece_fma<NR, FP8>(acc, b, u, k, xs);
         }
     }
 }
