@@ -233,14 +233,20 @@ __device__ __forceinline__ WRow wrow_expert(const WExp &x, int e) {
  * load before its store: 6% slower at 16 rows, docs/PERF.md). L2 reads:
  * the rows were written by other CTAs of this launch. */
 template <int NR>
-__device__ __forceinline__ void stage_x(uint16_t *xs, const uint16_t *const *rowp, int rows,
-                                        int kc, int kn) {
+__device__ __forceinline__ void stage_x_issue(uint16_t *xs, const uint16_t *const *rowp,
+                                              int rows, int kc, int kn) {
     for (int i = threadIdx.x; i < NR * (kKC / 8); i += kThreads) {
         int t = i / (kKC / 8), c = (i % (kKC / 8)) * 8;
         bool in = t < rows && c < kn;
         cp_async16(xs + t * kKC + c, in ? rowp[t] + kc + c : rowp[0], in);
     }
-    cp_async_commit();
+    cp_async_commit(); /* one group per chunk */
+}
+
+template <int NR>
+__device__ __forceinline__ void stage_x(uint16_t *xs, const uint16_t *const *rowp, int rows,
+                                        int kc, int kn) {
+    stage_x_issue<NR>(xs, rowp, rows, kc, kn);
     cp_async_wait<0>();
 }
 
@@ -364,24 +370,66 @@ __device__ __forceinline__ void chunk_fma(float (&acc)[kRW][NR], const WBuf<FP8>
     }
 }
 
+/* Row counts from which the next chunk's activations are staged while the
+ * current chunk's products run (two buffers of NR x kKC in shared memory):
+ * at 16 rows a chunk's 32 KB of activations take ~3 us to stage, longer
+ * than its products (docs/PERF.md, fourteenth session). Not yet measured
+ * on a GPU, so off by default (kMaxT + 1: no row count); an experiment
+ * builds with -DM3_MONO_XDB_NR=8 (scripts/gpu-ab extra ... CUDAFLAGS). */
+#ifndef M3_MONO_XDB_NR
+#define M3_MONO_XDB_NR (M3_CUDA_MONO_MAX_ROWS + 1)
+#endif
+constexpr int kXdbNR = M3_MONO_XDB_NR;
+
 template <int NR, bool FP8>
 __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W, int64_t n0,
                                            int64_t N, int k0, int k1,
                                            const uint16_t *const *rowp, int rows, uint16_t *xs,
                                            int lane, const unsigned *wait_c, unsigned wait_n) {
-    for (int kc = k0; kc < k1; kc += kKC) {
-        int kn = min(kKC, k1 - kc);
-        WBuf<FP8> b;
-        chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */
-        if (wait_c && kc == k0)
-            wait_count(wait_c, wait_n); /* the first chunk's weights in flight meanwhile */
-        __syncthreads(); /* the previous chunk (or item) is consumed */
-        stage_x<NR>(xs, rowp, rows, kc, kn);
-        __syncthreads();
-        mark(); /* the chunk's activations staged */
-        if (n0 < N)
-            chunk_fma<NR, FP8>(acc, b, kn, xs, lane);
-        mark(); /* warp 0's products of the chunk done (thread 0's time) */
+    if constexpr (NR >= kXdbNR) {
+        /* chunk i in buffer i & 1; chunk i + 1 staged before chunk i's
+         * products, into the buffer chunk i - 1 used (free after the
+         * barrier that ends each iteration) */
+        int i = 0;
+        for (int kc = k0; kc < k1; kc += kKC, i++) {
+            const int kn = min(kKC, k1 - kc), kn_next = min(kKC, k1 - kc - kKC);
+            WBuf<FP8> b;
+            chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */
+            if (kc == k0) {
+                if (wait_c)
+                    wait_count(wait_c, wait_n); /* the weights in flight meanwhile */
+                __syncthreads(); /* the previous item is done with xs */
+                stage_x_issue<NR>(xs, rowp, rows, kc, kn);
+            }
+            if (kn_next > 0) {
+                stage_x_issue<NR>(xs + ((i + 1) & 1) * NR * kKC, rowp, rows, kc + kKC, kn_next);
+                cp_async_wait<1>(); /* this thread's pieces of chunk i */
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads(); /* every thread's pieces of chunk i */
+            mark(); /* the chunk's activations staged */
+            if (n0 < N)
+                chunk_fma<NR, FP8>(acc, b, kn, xs + (i & 1) * NR * kKC, lane);
+            mark(); /* warp 0's products of the chunk done (thread 0's time) */
+            if (kn_next > 0)
+                __syncthreads(); /* chunk i's buffer is free for chunk i + 2 */
+        }
+    } else {
+        for (int kc = k0; kc < k1; kc += kKC) {
+            int kn = min(kKC, k1 - kc);
+            WBuf<FP8> b;
+            chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */
+            if (wait_c && kc == k0)
+                wait_count(wait_c, wait_n); /* the first chunk's weights in flight meanwhile */
+            __syncthreads(); /* the previous chunk (or item) is consumed */
+            stage_x<NR>(xs, rowp, rows, kc, kn);
+            __syncthreads();
+            mark(); /* the chunk's activations staged */
+            if (n0 < N)
+                chunk_fma<NR, FP8>(acc, b, kn, xs, lane);
+            mark(); /* warp 0's products of the chunk done (thread 0's time) */
+        }
     }
 }
 
