@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""The device-run tools that can be checked without a GPU.
+
+- scripts/mono_trace.py on a synthetic item trace: per-kind medians, the
+  split of a CTA's first item of a kind from its later ones ("1st / again"),
+  and the marks' medians over all items, first items and later items.
+- scripts/gpu-ab on a throwaway git repository whose scripts/gpu-check is a
+  stand-in (it records the CUDAFLAGS it was given and writes a fake m3 and a
+  ctest folder): `extra NAME REV CUDAFLAGS` reaches that build only, the
+  table labels it with its flags, and `run --test-all` runs every build's
+  tests where `--test` runs the working tree's only.
+
+Run by ctest as: test_tools.py --m3 build/m3 --work DIR [--quick] (the m3
+binary is not used).
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def fail(msg):
+    sys.exit("FAILED: " + msg)
+
+
+def check_mono_trace(work):
+    # columns: kernel kind cta item start end ready marks... (ns); kernel 1 =
+    # post, kind 2 = o_proj. CTA 0 runs items 0 then 1, CTA 1 runs item 2.
+    rows = [
+        (1, 2, 0, 0, 1000, 9000, 2000, 3000, 6000),   # CTA 0's first: marks 1.0, 4.0 us
+        (1, 2, 0, 1, 9000, 12000, 9000, 9500, 10000),  # CTA 0's again: 0.5, 1.0
+        (1, 2, 1, 2, 1000, 8000, 2000, 4000, 7000),   # CTA 1's first: 2.0, 5.0
+    ]
+    path = os.path.join(work, "trace.txt")
+    with open(path, "w") as f:
+        f.write("kernel kind cta item start end ready marks\n")
+        for r in rows:
+            f.write(" ".join(map(str, r)) + "\n")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "mono_trace.py"), path],
+                         capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        fail("mono_trace.py: %s" % res.stderr)
+    out = res.stdout
+    kind = [l for l in out.splitlines() if l.strip().startswith("o_proj")]
+    if len(kind) != 1 or "n=    3" not in kind[0]:
+        fail("mono_trace.py: no o_proj line with 3 items:\n" + out)
+    # work = end - ready: firsts 7.0 and 6.0 us (median of two: the upper), again 3.0
+    if "1st / again   7.00 /   3.00" not in kind[0]:
+        fail("mono_trace.py: first / again work split:\n" + out)
+    want = {
+        "marks after ready: ": "1.00 (n=3) 4.00 (n=3)",
+        "marks after ready 1st: ": "2.00 (n=2) 5.00 (n=2)",
+        "marks after ready again: ": "0.50 (n=1) 1.00 (n=1)",
+    }
+    for label, values in want.items():
+        lines = [l.strip() for l in out.splitlines() if l.strip().startswith(label)]
+        if lines != [label + values]:
+            fail("mono_trace.py: %r should be %r, got %r\n%s" % (label, values, lines, out))
+
+
+STAND_IN = r"""#!/bin/bash
+# a stand-in for scripts/gpu-check's build stage: records CUDAFLAGS, writes a
+# fake m3 (prints one benchmark point) and a ctest folder with one gpu test
+mkdir -p "$OUT" build-gpu
+echo "CUDAFLAGS=[$CUDAFLAGS]" >"$OUT/flags.txt"
+cat >build-gpu/m3 <<'EOM'
+#!/bin/bash
+echo '{"points":[{"path":"mono","rows":1,"context":4096,"median_us":100.0}]}'
+EOM
+chmod +x build-gpu/m3
+cat >build-gpu/CTestTestfile.cmake <<EOM
+add_test(stand_in "/bin/true")
+set_tests_properties(stand_in PROPERTIES LABELS "gpu")
+EOM
+"""
+
+
+def sh(cmd, cwd, env=None):
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    if res.returncode != 0:
+        fail("%s: exit %d\n%s\n%s" % (" ".join(cmd), res.returncode, res.stdout, res.stderr))
+    return res.stdout + res.stderr
+
+
+def check_gpu_ab(work):
+    if not shutil.which("git") or not shutil.which("ctest"):
+        print("gpu-ab: skipped (git or ctest missing)")
+        return
+    repo = os.path.join(work, "repo")
+    shutil.rmtree(repo, ignore_errors=True)
+    os.makedirs(os.path.join(repo, "scripts"))
+    shutil.copy(os.path.join(ROOT, "scripts", "gpu-ab"), os.path.join(repo, "scripts"))
+    with open(os.path.join(repo, "scripts", "gpu-check"), "w") as f:
+        f.write(STAND_IN)
+    os.chmod(os.path.join(repo, "scripts", "gpu-check"), 0o755)
+    model = os.path.join(work, "model")
+    os.makedirs(model, exist_ok=True)
+    open(os.path.join(model, "config.json"), "w").write("{}")
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t", M3_BENCH_MODEL=model)
+    env.pop("CUDAFLAGS", None)
+    sh(["git", "init", "-q"], repo, env)
+    sh(["git", "add", "-A"], repo, env)
+    sh(["git", "commit", "-qm", "stand-in"], repo, env)
+    sh(["scripts/gpu-ab", "prepare", "HEAD"], repo, env)
+    sh(["scripts/gpu-ab", "extra", "sw", "HEAD", "-DM3_SWITCH=8"], repo, env)
+    for opt, tested in (("--test-all", ("base", "new", "sw")), ("--test", ("new",))):
+        out_dir = os.path.join(work, "out" + opt)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        log = sh(["scripts/gpu-ab", "run", "--rows", "1", "--rounds", "1", opt], repo,
+                 dict(env, OUT=out_dir))
+        table = open(os.path.join(out_dir, "ab.md")).read()
+        if "| sw 1 (HEAD -DM3_SWITCH=8) | 100.0 |" not in table:
+            fail("gpu-ab: the switch build's row:\n" + table)
+        ran = sorted(l.split()[5] for l in log.splitlines() if l.startswith("gpu-ab: GPU tests of"))
+        if ran != sorted(tested):
+            fail("gpu-ab %s ran the tests of %s, expected %s\n%s" % (opt, ran, tested, log))
+        raw = os.path.join(work, "raw" + opt)
+        shutil.rmtree(raw, ignore_errors=True)
+        os.makedirs(raw)
+        sh(["tar", "xzf", os.path.join(out_dir, "ab-raw.tgz"), "-C", raw], work)
+        flags = {t: open(os.path.join(raw, t, "flags.txt")).read().strip()
+                 for t in ("base", "new", "sw")}
+        want = {"base": "CUDAFLAGS=[]", "new": "CUDAFLAGS=[]", "sw": "CUDAFLAGS=[-DM3_SWITCH=8]"}
+        if flags != want:
+            fail("gpu-ab: build flags %s, expected %s" % (flags, want))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m3")
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    check_mono_trace(args.work)
+    check_gpu_ab(args.work)
+    print("test_tools: passed")
+
+
+if __name__ == "__main__":
+    main()
