@@ -445,9 +445,6 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
 #define M3_MONO_MMA_NR (M3_CUDA_MONO_MAX_ROWS + 1)
 #endif
 constexpr int kMmaNR = M3_MONO_MMA_NR;
-/* the MMA core's staged-row stride: 32 columns of padding put rows t and
- * t + 1 in different banks for its 16-byte fragment loads */
-constexpr int kXS = kKC + 32;
 constexpr int kMmaU = kKC / kWarps / 32; /* its 16-byte loads per lane and chunk */
 
 /* The tile's weight rows for the MMA core: s_wrow[v] is virtual row v's
