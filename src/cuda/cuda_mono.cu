@@ -286,8 +286,7 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     const size_t sel_min = (sizeof(SelShared) + 15) / 16 * 16;
     const size_t need[] = {(size_t)kAttnSmem,
                            idx_smem(Ni),
-                           (size_t)kMaxT * kKC * 2 * 2, /* gemv_kloop's two buffers */
-                           (size_t)kMaxT * kXS * 2,     /* gemv_mma's padded rows */
+                           (size_t)kMaxT * kKC * 2,
                            sel_min,
                            6 * (size_t)H,
                            plan_key_offset() + (size_t)kWarps * E * 8};

@@ -32,10 +32,6 @@ constexpr int kRW = 2;                     /* GEMV output rows per warp */
 constexpr int kTile = kWarps * kRW;        /* GEMV output rows per tile */
 constexpr int kKC = 1024;                  /* K columns staged per chunk */
 constexpr int kKU = kKC / 256;             /* 16-byte loads per lane, row and chunk */
-/* the tensor-core GEMV's staged-row stride (gemv_mma, -DM3_MONO_MMA_NR): 32
- * columns of padding put rows t and t + 1 in different banks for its
- * 16-byte fragment loads */
-constexpr int kXS = kKC + 32;
 constexpr int kMaxT = M3_CUDA_MONO_MAX_ROWS;
 constexpr int kHD = 128;                   /* head dim = index dim = page */
 constexpr int kMaxHalf = 64;               /* rotary_dim <= 128 */

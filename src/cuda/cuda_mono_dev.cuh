@@ -232,21 +232,15 @@ __device__ __forceinline__ WRow wrow_expert(const WExp &x, int e) {
  * flight at once, no registers (a load + shared store loop waits for each
  * load before its store: 6% slower at 16 rows, docs/PERF.md). L2 reads:
  * the rows were written by other CTAs of this launch. */
-template <int NR, int XS = kKC> /* XS: the staged rows' stride (gemv_mma pads it) */
-__device__ __forceinline__ void stage_x_issue(uint16_t *xs, const uint16_t *const *rowp,
-                                              int rows, int kc, int kn) {
+template <int NR>
+__device__ __forceinline__ void stage_x(uint16_t *xs, const uint16_t *const *rowp, int rows,
+                                        int kc, int kn) {
     for (int i = threadIdx.x; i < NR * (kKC / 8); i += kThreads) {
         int t = i / (kKC / 8), c = (i % (kKC / 8)) * 8;
         bool in = t < rows && c < kn;
-        cp_async16(xs + t * XS + c, in ? rowp[t] + kc + c : rowp[0], in);
+        cp_async16(xs + t * kKC + c, in ? rowp[t] + kc + c : rowp[0], in);
     }
-    cp_async_commit(); /* one group per chunk */
-}
-
-template <int NR, int XS = kKC>
-__device__ __forceinline__ void stage_x(uint16_t *xs, const uint16_t *const *rowp, int rows,
-                                        int kc, int kn) {
-    stage_x_issue<NR, XS>(xs, rowp, rows, kc, kn);
+    cp_async_commit();
     cp_async_wait<0>();
 }
 
@@ -370,165 +364,25 @@ __device__ __forceinline__ void chunk_fma(float (&acc)[kRW][NR], const WBuf<FP8>
     }
 }
 
-/* Row counts from which the next chunk's activations are staged while the
- * current chunk's products run (two buffers of NR x kKC in shared memory):
- * at 16 rows a chunk's 32 KB of activations take ~3 us to stage, longer
- * than its products (docs/PERF.md, fourteenth session). Not yet measured
- * on a GPU, so off by default (kMaxT + 1: no row count); an experiment
- * builds with -DM3_MONO_XDB_NR=8 (scripts/gpu-ab extra ... CUDAFLAGS). */
-#ifndef M3_MONO_XDB_NR
-#define M3_MONO_XDB_NR (M3_CUDA_MONO_MAX_ROWS + 1)
-#endif
-constexpr int kXdbNR = M3_MONO_XDB_NR;
-
 template <int NR, bool FP8>
 __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W, int64_t n0,
                                            int64_t N, int k0, int k1,
                                            const uint16_t *const *rowp, int rows, uint16_t *xs,
                                            int lane, const unsigned *wait_c, unsigned wait_n) {
-    if constexpr (NR >= kXdbNR) {
-        /* chunk i in buffer i & 1; chunk i + 1 staged before chunk i's
-         * products, into the buffer chunk i - 1 used (free after the
-         * barrier that ends each iteration) */
-        int i = 0;
-        for (int kc = k0; kc < k1; kc += kKC, i++) {
-            const int kn = min(kKC, k1 - kc), kn_next = min(kKC, k1 - kc - kKC);
-            WBuf<FP8> b;
-            chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */
-            if (kc == k0) {
-                if (wait_c)
-                    wait_count(wait_c, wait_n); /* the weights in flight meanwhile */
-                __syncthreads(); /* the previous item is done with xs */
-                stage_x_issue<NR>(xs, rowp, rows, kc, kn);
-            }
-            if (kn_next > 0) {
-                stage_x_issue<NR>(xs + ((i + 1) & 1) * NR * kKC, rowp, rows, kc + kKC, kn_next);
-                cp_async_wait<1>(); /* this thread's pieces of chunk i */
-            } else {
-                cp_async_wait<0>();
-            }
-            __syncthreads(); /* every thread's pieces of chunk i */
-            mark(); /* the chunk's activations staged */
-            if (n0 < N)
-                chunk_fma<NR, FP8>(acc, b, kn, xs + (i & 1) * NR * kKC, lane);
-            mark(); /* warp 0's products of the chunk done (thread 0's time) */
-            if (kn_next > 0)
-                __syncthreads(); /* chunk i's buffer is free for chunk i + 2 */
-        }
-    } else {
-        for (int kc = k0; kc < k1; kc += kKC) {
-            int kn = min(kKC, k1 - kc);
-            WBuf<FP8> b;
-            chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */
-            if (wait_c && kc == k0)
-                wait_count(wait_c, wait_n); /* the first chunk's weights in flight meanwhile */
-            __syncthreads(); /* the previous chunk (or item) is consumed */
-            stage_x<NR>(xs, rowp, rows, kc, kn);
-            __syncthreads();
-            mark(); /* the chunk's activations staged */
-            if (n0 < N)
-                chunk_fma<NR, FP8>(acc, b, kn, xs, lane);
-            mark(); /* warp 0's products of the chunk done (thread 0's time) */
-        }
-    }
-}
-
-/* Row counts from which bf16 GEMVs run on tensor cores (gemv_mma). The
- * eleventh session's version (all row counts) was +8.5% at one row and 0%
- * at 16, when the 16-row FMA chunk was slow for other reasons (cold code,
- * spills: fourteenth session); with those gone the FMA products are ~2.1
- * us of a 16-row chunk. Off by default (kMaxT + 1) until measured; an
- * experiment builds with -DM3_MONO_MMA_NR=8. From 8 rows only, a row's
- * sums differ between steps of fewer and more than 8 rows by fp32
- * summation order (test_cuda_mono's batch-invariance check warns). */
-#ifndef M3_MONO_MMA_NR
-#define M3_MONO_MMA_NR (M3_CUDA_MONO_MAX_ROWS + 1)
-#endif
-constexpr int kMmaNR = M3_MONO_MMA_NR;
-constexpr int kMmaU = kKC / kWarps / 32; /* its 16-byte loads per lane and chunk */
-
-/* The tile's weight rows for the MMA core: s_wrow[v] is virtual row v's
- * start (nullptr past N), v = warp * kRW + r as the callers number them. */
-__shared__ const uint8_t *s_wrow[kTile];
-
-/* The bf16 GEMV on tensor cores (mma.m16n8k16: the tile's 8 weight rows
- * are the B operand's n, the step's rows, up to 16, the A operand's m), so
- * its instruction count does not grow with the row count. Every warp
- * streams all 8 rows over its quarter of each 1024-column chunk: lane
- * (g, q) = (lane / 4, lane % 4) loads 16 bytes of row g at columns
- * warp * 256 + u * 32 + q * 8, the same 8 x 16 bytes per lane in flight as
- * the FMA core. A load's 8 values feed two MMAs: logical k (2q, 2q + 1 |
- * 2q + 8, 2q + 9) of MMA j are physical columns 8q + 4j + (0, 1 | 2, 3),
- * for A (the staged rows, the same 16 bytes per row) as for B, so each MMA
- * sums 16 matching products. The warps' sums are added in warp order
- * through shared memory. A row's sums do not depend on the other rows (an
- * MMA's row m of D reads only row m of A; rows past NR are zeros). Returns
- * what gemv_rows returns: this warp's rows n0, n0 + 1 in acc, in every
- * lane. (The eleventh session's branch next-mma, ported.) */
-template <int NR>
-__device__ void gemv_mma(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int64_t N, int k0,
-                         int k1, const uint16_t *const *rowp, int rows, uint16_t *xs,
-                         const unsigned *wait_c, unsigned wait_n) {
-    static_assert(NR <= 16, "one m16 tile of rows");
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-    if (lane < kRW)
-        s_wrow[warp * kRW + lane] = n0 + lane < N ? W.w + (n0 + lane) * W.w_row : nullptr;
-    __syncthreads();
-    const uint8_t *wr = s_wrow[g];
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     for (int kc = k0; kc < k1; kc += kKC) {
-        const int kn = min(kKC, k1 - kc);
-        uint4 wv[kMmaU];
-#pragma unroll
-        for (int u = 0; u < kMmaU; u++) {
-            const int k = warp * (kKC / kWarps) + u * 32 + q * 8;
-            wv[u] = wr && k < kn
-                        ? __ldg(reinterpret_cast<const uint4 *>(wr + (int64_t)(kc + k) * 2))
-                        : zero;
-        }
+        int kn = min(kKC, k1 - kc);
+        WBuf<FP8> b;
+        chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */
         if (wait_c && kc == k0)
             wait_count(wait_c, wait_n); /* the first chunk's weights in flight meanwhile */
-        __syncthreads(); /* the previous chunk is consumed */
-        stage_x<NR, kXS>(xs, rowp, rows, kc, kn);
+        __syncthreads(); /* the previous chunk (or item) is consumed */
+        stage_x<NR>(xs, rowp, rows, kc, kn);
         __syncthreads();
         mark(); /* the chunk's activations staged */
-#pragma unroll
-        for (int u = 0; u < kMmaU; u++) {
-            const int kb = warp * (kKC / kWarps) + u * 32;
-            if (kb >= kn) /* warp-uniform; past kn both operands are zeros */
-                break;
-            const int k = kb + q * 8;
-            const uint4 x0 = g < NR ? *reinterpret_cast<const uint4 *>(xs + g * kXS + k) : zero;
-            const uint4 x1 =
-                g + 8 < NR ? *reinterpret_cast<const uint4 *>(xs + (g + 8) * kXS + k) : zero;
-            const uint32_t a0[4] = {x0.x, x1.x, x0.y, x1.y}, a1[4] = {x0.z, x1.z, x0.w, x1.w};
-            mma_bf16(d, a0, wv[u].x, wv[u].y);
-            mma_bf16(d, a1, wv[u].z, wv[u].w);
-        }
+        if (n0 < N)
+            chunk_fma<NR, FP8>(acc, b, kn, xs, lane);
         mark(); /* warp 0's products of the chunk done (thread 0's time) */
     }
-    /* d: (row g, weight rows 2q, 2q + 1), (row g + 8, the same); the warps'
-     * partials through shared memory (xs is free once every warp is here),
-     * summed in warp order */
-    float *red = reinterpret_cast<float *>(xs); /* [kWarps][kTile][16] */
-    __syncthreads();
-    red[(warp * kTile + 2 * q) * 16 + g] = d[0];
-    red[(warp * kTile + 2 * q + 1) * 16 + g] = d[1];
-    red[(warp * kTile + 2 * q) * 16 + g + 8] = d[2];
-    red[(warp * kTile + 2 * q + 1) * 16 + g + 8] = d[3];
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < kRW; r++)
-#pragma unroll
-        for (int t = 0; t < NR; t++) {
-            float v = 0.0f;
-#pragma unroll
-            for (int w = 0; w < kWarps; w++)
-                v += red[(w * kTile + warp * kRW + r) * 16 + t];
-            acc[r][t] = v;
-        }
-    __syncthreads(); /* red is read before xs is staged again */
 }
 
 /* This warp's rows n0, n0 + 1 (of N) over K columns [k0, k1) for activation
@@ -551,13 +405,6 @@ __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
         if (wait_c)
             wait_count(wait_c, wait_n);
         return;
-    }
-    if constexpr (NR >= kMmaNR) { /* bf16 weights on tensor cores (off by default) */
-        const bool mma = !((V & V_F8) && W.fp8);
-        if (mma) {
-            gemv_mma<NR>(acc, W, n0, N, k0, k1, rowp, rows, xs, wait_c, wait_n);
-            return;
-        }
     }
     if ((V & V_F8) && W.fp8)
         gemv_kloop<NR, true>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane, wait_c, wait_n);

@@ -70,14 +70,6 @@ __device__ void norm2_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
 template <int V>
 __device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile);
 
-/* The routing plan's keys staged with four loads in flight per lane
- * (-DM3_MONO_KEYS_BATCH=1; default off until measured: fourteenth session,
- * docs/PERF.md Next). The same keys either way. */
-#ifndef M3_MONO_KEYS_BATCH
-#define M3_MONO_KEYS_BATCH 0
-#endif
-constexpr bool kKeysBatch = M3_MONO_KEYS_BATCH != 0;
-
 /* Every real row's top-K experts (m3_route_row / moe_route_kernel: keys
  * sigmoid(l) + bias, NaN lowest, ties to the lower id; weights s / sum s),
  * then the distinct experts in ascending id with their members (assignment
@@ -103,37 +95,12 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
          * logits are written too, so staging them is harmless) */
         const bool padded = a.slots[t] < 0;
         const float *l = a.logits + (size_t)t * E;
-        if constexpr (kKeysBatch) {
-            /* a lane's four keys' loads in flight together, then their
-             * sigmoids: one L2 round trip per 128 experts, not one per 32
-             * (the loop below waits for each load before the next) */
-#pragma unroll 1
-            for (int e0 = lane; e0 < E; e0 += 128) {
-                float lg[4], bs[4];
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const int e = e0 + 32 * j;
-                    lg[j] = e < E ? __ldcg(l + e) : 0.0f;
-                    bs[j] = e < E && a.rbias ? __ldg(a.rbias + e) : 0.0f;
-                }
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const int e = e0 + 32 * j;
-                    if (e < E) {
-                        const float sg = m3_sigmoid(lg[j]), key = sg + bs[j];
-                        wkey[e] = isnan(key) ? -INFINITY : key;
-                        wsig[e] = sg;
-                    }
-                }
-            }
-        } else {
 #pragma unroll 1 /* once per step: small code beats unrolled code here */
-            for (int e = lane; e < E; e += 32) {
-                float sg = m3_sigmoid(__ldcg(l + e));
-                float key = sg + (a.rbias ? __ldg(a.rbias + e) : 0.0f);
-                wkey[e] = isnan(key) ? -INFINITY : key;
-                wsig[e] = sg;
-            }
+        for (int e = lane; e < E; e += 32) {
+            float sg = m3_sigmoid(__ldcg(l + e));
+            float key = sg + (a.rbias ? __ldg(a.rbias + e) : 0.0f);
+            wkey[e] = isnan(key) ? -INFINITY : key;
+            wsig[e] = sg;
         }
         __syncwarp();
         if (padded)
