@@ -21,7 +21,7 @@ from collections import defaultdict
 
 PRE = ["norm1", "proj", "index", "norm1_again"]  # norm1_again: traces before 2026-12-01
 POST = ["select", "attention", "o_proj", "norm2", "router", "shared_gu", "expert_gu",
-        "shared_down", "expert_down", "final", "merge"]
+        "shared_down", "expert_down", "final", "merge", "plan", "dry"]
 
 
 def median(v):

@@ -154,7 +154,10 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
-    int spin_ns, poll_acquire, shdn_early, edn_sub; /* tuning knobs (see m3_cuda_mono_create) */
+    int spin_ns, poll_acquire, shdn_early, edn_sub, pin; /* tuning knobs (see m3_cuda_mono_create) */
+    uint16_t *dry_rows; /* M3_MONO_PIN=3 scratch (see MonoArgs) */
+    float *dry_logits;
+    int32_t *dry_plan;
 };
 
 #define MONO_FAIL(st, ...) m3_fail((st), "mono: " __VA_ARGS__)
@@ -335,6 +338,11 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * default: 8 above 8 rows, else 4; fewer, larger items pay at 16 rows,
      * not at one) */
     m->edn_sub = env_int("M3_MONO_EDN_SUB", 0, 0, 8);
+    /* M3_MONO_PIN=n: fixed CTAs for items on the chain (MonoArgs.pin; the
+     * same SM runs them at every launch, and with 3 runs them once dry
+     * where it would wait anyway, so the real ones find their code in the
+     * SM's instruction cache) */
+    m->pin = env_int("M3_MONO_PIN", 0, 0, 3);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -399,6 +407,9 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
         {(void **)&m->ufirst, (size_t)(R * K + 1) * 4},
         {(void **)&m->members, (size_t)R * K * 4},
         {(void **)&m->n_uniq, 4},
+        {(void **)&m->dry_rows, (size_t)kMaxT * 3 * H * 2},
+        {(void **)&m->dry_logits, (size_t)kMaxT * E * 4},
+        {(void **)&m->dry_plan, (size_t)6 * (kMaxAssign + 1) * 4},
         {(void **)&m->eout, (size_t)R * K * H * 4},
         {(void **)&m->sh_out, (size_t)R * H * 4},
         {(void **)&m->part_proj,
@@ -797,6 +808,17 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.poll_acquire = m->poll_acquire;
     a.shdn_early = m->shdn_early;
     a.edn_sub = m->edn_sub ? m->edn_sub : (a.T > 8 ? 8 : 4);
+    /* CTAs of their own for norm2 and the plan only where more CTAs than
+     * rows run the queue; dry runs only at world 1 (a dry all-reduce would
+     * wait for peers) */
+    a.pin = m->pin;
+    if (a.pin >= 2 && m->P <= a.T)
+        a.pin = 1;
+    if (a.pin >= 3 && m->world > 1)
+        a.pin = 2;
+    a.dry_rows = m->dry_rows;
+    a.dry_logits = m->dry_logits;
+    a.dry_plan = m->dry_plan;
     a.trace = m->tracing ? m->trace : NULL;
     a.trace_n = m->trace_n;
     a.trace_cap = m->trace_cap;

@@ -141,6 +141,12 @@ struct MonoArgs {
     int edn_sub;      /* M3_MONO_EDN_SUB: 8-column tiles per routed down item (1..8) */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed
                        * polls, then one acquire) */
+    int pin;          /* M3_MONO_PIN: 0 the queue only; 1 each CTA's first item is its
+                       * own index; 2 also norm2 of row c on CTA c and the routing plan
+                       * on CTA 0; 3 also dry runs of both first (world 1) */
+    uint16_t *dry_rows; /* pin 3: [kMaxT][3][H] scratch rows the dry norm2s read and write */
+    float *dry_logits;  /* pin 3: [kMaxT][E] the dry plan's logits */
+    int32_t *dry_plan;  /* pin 3: [6][kMaxAssign + 1] the dry plan's outputs */
     /* item trace (M3_MONO_TRACE): [cap] x kTraceWords {meta, start ns, end ns, inputs
      * ready ns, marks} */
     unsigned long long *trace;
@@ -160,6 +166,7 @@ using SelShared = SelSharedT<kWarps>; /* the selection item (cuda_async.cuh) */
  * fit an SM next to their 72 KiB of dynamic shared memory). */
 struct Ctl {
     int cur, faulted, flag, nu, fnow;
+    int step; /* the post kernel's items run by this CTA so far (M3_MONO_PIN) */
     uint32_t tag_o, tag_f; /* this launch's landing tags (world > 1) */
     double red[kWarps];
     const uint16_t *rowp[kMaxT]; /* GEMV activation rows */

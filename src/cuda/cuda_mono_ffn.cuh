@@ -38,15 +38,24 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     signal_count(&a.ctr[C_OPROJ]);
 }
 
+/* Row t's norm2; t < 0: the dry run (M3_MONO_PIN=3, world 1, CTAs 0..T-1)
+ * on the CTA's scratch rows, so the real one runs with its code cached; it
+ * signals nothing. */
 template <int V>
 __device__ void norm2_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int t,
                            bool faulted) {
     /* (the kernel's loop waited for o_proj: post_dep) */
+    const bool dry = t < 0;
+    if (dry && (V & V_TP))
+        return; /* (the host never asks: a dry all-reduce would wait for peers) */
     if (!faulted) {
         if (!(V & V_TP)) {
             auto none = [](int, float *) {};
-            norm_row(a, ctl, a.residual + (size_t)t * a.H, true, a.o + (size_t)t * a.H, none,
-                     a.post_norm, a.x2 + (size_t)t * a.H, dsm);
+            uint16_t *dr = a.dry_rows + (size_t)blockIdx.x * 3 * a.H; /* this CTA's */
+            uint16_t *res = dry ? dr : a.residual + (size_t)t * a.H;
+            const uint16_t *add = dry ? dr + a.H : a.o + (size_t)t * a.H;
+            uint16_t *out = dry ? dr + 2 * (size_t)a.H : a.x2 + (size_t)t * a.H;
+            norm_row(a, ctl, res, true, add, none, a.post_norm, out, dsm);
         } else {
             /* the all-reduce: every rank's partial, in rank order, rounded once */
             auto add8 = [&](int v, float f[8]) {
@@ -62,7 +71,8 @@ __device__ void norm2_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
                      a.post_norm, a.x2 + (size_t)t * a.H, dsm);
         }
     }
-    signal_count(&a.ctr[C_NORM2]);
+    if (!dry)
+        signal_count(&a.ctr[C_NORM2]);
 }
 
 /* ---------------------------------------------------------------- router, routing, plan */
@@ -70,15 +80,30 @@ __device__ void norm2_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
 template <int V>
 __device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile);
 
+/* Where the routing plan reads its logits and writes its outputs: the
+ * step's buffers, or (dry) scratch that nothing reads. */
+struct PlanIO {
+    const float *logits;
+    int32_t *rids;
+    float *rw;
+    int32_t *uniq, *ufirst, *members, *n_uniq;
+};
+
 /* Every real row's top-K experts (m3_route_row / moe_route_kernel: keys
  * sigmoid(l) + bias, NaN lowest, ties to the lower id; weights s / sum s),
  * then the distinct experts in ascending id with their members (assignment
  * m = t * K + s) in assignment order, as moe_plan_kernel groups them.
- * Padded rows route nowhere. One CTA. */
+ * Padded rows route nowhere. One CTA. dry (M3_MONO_PIN=3): the same code on
+ * scratch, publishing nothing, so the real plan runs with its code cached. */
 template <int V>
-__device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) {
+__device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, bool dry) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int E = a.E, K = a.K, n = a.T * K;
+    const int dn = kMaxAssign + 1;
+    const PlanIO io = dry ? PlanIO{a.dry_logits, a.dry_plan, reinterpret_cast<float *>(a.dry_plan) + dn,
+                                   a.dry_plan + 2 * dn, a.dry_plan + 3 * dn, a.dry_plan + 4 * dn,
+                                   a.dry_plan + 5 * dn}
+                          : PlanIO{a.logits, a.rids, a.rw, a.uniq, a.ufirst, a.members, a.n_uniq};
     /* the assignments' experts (shared memory; INT_MAX: a padded row's) */
     int *pid = reinterpret_cast<int *>(dsm); /* [n] */
     int *sorted = pid + kMaxAssign;          /* [n] */
@@ -94,7 +119,7 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
         /* the slot's load and the keys' in flight together (a padded row's
          * logits are written too, so staging them is harmless) */
         const bool padded = a.slots[t] < 0;
-        const float *l = a.logits + (size_t)t * E;
+        const float *l = io.logits + (size_t)t * E;
 #pragma unroll 1 /* once per step: small code beats unrolled code here */
         for (int e = lane; e < E; e += 32) {
             float sg = m3_sigmoid(__ldcg(l + e));
@@ -143,8 +168,8 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
         if (lane < K) {
             const int id = ctl.rid[warp][lane];
             const float sg = wsig[id];
-            a.rids[t * K + lane] = id;
-            a.rw[t * K + lane] = sg / sum;
+            io.rids[t * K + lane] = id;
+            io.rw[t * K + lane] = sg / sum;
             pid[t * K + lane] = id;
         }
         __syncwarp();
@@ -169,15 +194,19 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) 
         for (int p = 0; p < nreal; p++) {
             int m = sorted[p], e = pid[m];
             if (p == 0 || e != pid[sorted[p - 1]]) {
-                a.uniq[u] = e;
-                a.ufirst[u] = p;
+                io.uniq[u] = e;
+                io.ufirst[u] = p;
                 u++;
             }
-            a.members[p] = m;
+            io.members[p] = m;
         }
-        a.ufirst[u] = nreal;
-        *a.n_uniq = u;
+        io.ufirst[u] = nreal;
+        *io.n_uniq = u;
         ctl.nu = u;
+    }
+    if (dry) {
+        __syncthreads(); /* dsm is free again */
+        return;
     }
     signal_count(&a.ctr[C_PLAN]);
     __syncthreads();
@@ -195,8 +224,11 @@ __device__ __forceinline__ void router_prefetch(const MonoArgs &a, int item) {
     prefetch_rows_f32(a.router, a.H, (int64_t)(item / a.s_rt) * kTile, kTile, a.E, k0, k1);
 }
 
+/* True in the CTA whose tile completes the router (it then sees every
+ * logit; the kernel's loop runs the routing plan there unless CTA 0 holds
+ * it, M3_MONO_PIN >= 2). */
 template <int NR, int V>
-__device__ void router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
+__device__ bool router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                             bool faulted) {
     const int tile = item / a.s_rt, slice = item % a.s_rt;
     int k0, k1;
@@ -208,15 +240,13 @@ __device__ void router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int
     gemv_rows_f32<NR>(acc, a.router, tile * kTile + warp * kRW, a.E, a.H, k0, k1, ctl.rowp, a.T,
                       reinterpret_cast<uint16_t *>(dsm), faulted);
     if (!split_reduce<NR>(acc, a.s_rt, slice, tile, a.part_rt, a.ctr + a.o_rtile, ctl))
-        return;
+        return false;
     for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
         int r = i / a.T, t = i % a.T, e = tile * kTile + r;
         if (e < a.E)
             a.logits[(size_t)t * a.E + e] = ctl.fin[r][t]; /* fp32: no rounding */
     }
-    if (!arrive(&a.ctr[C_ROUTER], (unsigned)a.rt_tiles, ctl))
-        return;
-    route_and_plan<V>(a, ctl, dsm);
+    return arrive(&a.ctr[C_ROUTER], (unsigned)a.rt_tiles, ctl);
 }
 
 /* ---------------------------------------------------------------- experts */

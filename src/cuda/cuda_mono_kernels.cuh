@@ -79,7 +79,8 @@ __device__ __forceinline__ void trace_item(const MonoArgs &a, int kernel, int ki
 }
 
 /* The post kernel's item kinds (the trace's kind numbers, scripts/mono_trace.py) */
-enum { K_SEL, K_ATT, K_OPROJ, K_NORM2, K_ROUTER, K_SHGU, K_EGU, K_SHDN, K_EDN, K_FIN, K_MRG };
+enum { K_SEL, K_ATT, K_OPROJ, K_NORM2, K_ROUTER, K_SHGU, K_EGU, K_SHDN, K_EDN, K_FIN, K_MRG,
+       K_PLAN, K_DRY };
 
 /* What a post item waits for before it starts: counter c at target (c
  * null: nothing, or the item waits inside, after work that does not need
@@ -104,6 +105,7 @@ __device__ __forceinline__ ItemDep post_dep(const MonoArgs &a, int kind, int loc
     case K_ROUTER:
     case K_SHGU: return {&a.ctr[C_NORM2], (unsigned)a.T};
     case K_SHDN: return {&a.ctr[C_SHGU], (unsigned)(a.Is / 4)};
+    case K_PLAN: return {&a.ctr[C_ROUTER], (unsigned)a.rt_tiles};
     default: return {nullptr, 0u};
     }
 }
@@ -116,8 +118,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     knobs_init(a);
     const int n_norm = a.T, n_proj = a.p_item0[5], n_idx = a.T * a.G;
     const int total = n_norm + n_proj + n_idx;
+    /* M3_MONO_PIN >= 1: CTA c's first item is item c (no atomic before the
+     * first item, and the same CTA, so the same SM, runs it at every
+     * launch); the queue hands out the items after the first wave */
+    const unsigned q0 = a.pin ? gridDim.x : 0u;
     if (threadIdx.x == 0)
-        ctl.cur = (int)atomicAdd(&a.ctr[C_QUEUE], 1u);
+        ctl.cur = a.pin ? (int)blockIdx.x : (int)atomicAdd(&a.ctr[C_QUEUE], 1u);
     for (;;) {
         bool faulted;
         int cur = next_item(a, ctl, &faulted);
@@ -125,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             break;
         unsigned nxt = 0;
         if (threadIdx.x == 0)
-            nxt = atomicAdd(&a.ctr[C_QUEUE], 1u); /* in flight during the item */
+            nxt = atomicAdd(&a.ctr[C_QUEUE], 1u) + q0; /* in flight during the item */
         unsigned long long t0 = a.trace ? gtimer() : 0;
         int item = cur, kind;
         if (cur < n_norm)
@@ -141,6 +147,44 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     finish(a, ctl, false);
 }
 
+/* M3_MONO_PIN >= 2: items outside the queue, run by fixed CTAs (codes
+ * below 0; kQueue: the CTA's list is done, the queue hands out the next) */
+enum { kPlanItem = -2, kDryNorm2 = -3, kDryPlan = -4, kQueue = INT_MIN };
+
+/* Queue position q -> post item index: with pin >= 2 the norm2 items are
+ * not in the queue (CTA t holds row t's). */
+__device__ __forceinline__ int q_item(const MonoArgs &a, int q, int base_n2) {
+    return a.pin >= 2 && q >= base_n2 ? q + a.T : q;
+}
+
+/* The item at step s >= 1 of this CTA's own list (pin >= 2: CTAs 0..T-1,
+ * after their first item: with pin 3 a dry norm2, and on CTA 0 a dry plan;
+ * then CTA t row t's norm2; then CTA 0 the routing plan), else kQueue. The
+ * host asks for pin >= 2 only with more CTAs than rows, so the CTAs past T
+ * run the queue while these wait (every wait is for queue items, or for
+ * norm2, which waits only for queue items). */
+__device__ __forceinline__ int own_item(const MonoArgs &a, int s, int base_n2) {
+    const int c = blockIdx.x;
+    if (a.pin < 2 || c >= a.T)
+        return kQueue;
+    s -= 1;
+    if (a.pin >= 3) {
+        if (s == 0)
+            return kDryNorm2;
+        s -= 1;
+        if (c == 0) {
+            if (s == 0)
+                return kDryPlan;
+            s -= 1;
+        }
+    }
+    if (s == 0)
+        return base_n2 + c;
+    if (c == 0 && s == 1)
+        return kPlanItem;
+    return kQueue;
+}
+
 template <int NR, int V>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     mono_post_kernel(const __grid_constant__ MonoArgs a) {
@@ -154,9 +198,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int n_shdn = a.Is ? (a.H / kTile) * a.s_shdn : 0;
     const int n_fin = (V & V_TP) ? a.T * ((a.H + 1023) / 1024) : 0;
     const int n_shdn0 = a.shdn_early ? n_shdn : 0; /* shared down items before the routed */
-    const int base_dyn = n_sel + n_att + n_mrg + n_o + n_n2 + n_rt + n_shgu + n_shdn0;
+    const int base_n2 = n_sel + n_att + n_mrg + n_o;
+    const int base_dyn = base_n2 + n_n2 + n_rt + n_shgu + n_shdn0;
+    const unsigned q0 = a.pin ? gridDim.x : 0u; /* queue positions past the first wave */
     if (threadIdx.x == 0) {
-        ctl.cur = (int)atomicAdd(&a.ctr[C_QUEUE], 1u);
+        ctl.step = 0;
+        ctl.cur = q_item(a, a.pin ? (int)blockIdx.x : (int)atomicAdd(&a.ctr[C_QUEUE], 1u),
+                         base_n2);
         /* Landing tags (world > 1) from the count of earlier post launches,
          * which only the previous launch's last CTA changed: the same in
          * every CTA, the same on every rank (ranks run the same layer calls),
@@ -181,7 +229,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         }
         const int item = cur;
         int kind;
-        if (cur < n_sel)
+        if (cur < 0)
+            kind = cur == kPlanItem ? K_PLAN : (cur == kDryNorm2 ? K_NORM2 : K_PLAN);
+        else if (cur < n_sel)
             kind = K_SEL;
         else if ((cur -= n_sel) < n_att)
             kind = K_ATT;
@@ -205,6 +255,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             kind = K_EDN;
         else
             kind = K_FIN, cur -= n_edn;
+        const bool dry = item == kDryNorm2 || item == kDryPlan;
         unsigned long long t0 = a.trace ? gtimer() : 0;
         /* The item's input first, then the next item's reservation: a CTA
          * that waits holds no second item, so the items behind it go to
@@ -216,28 +267,38 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
          * every wait is for an earlier item.) */
         if (kind == K_ROUTER && !faulted)
             router_prefetch(a, cur);
-        const ItemDep dep = post_dep(a, kind, cur);
+        const ItemDep dep = dry ? ItemDep{nullptr, 0u} : post_dep(a, kind, cur);
         if (dep.c)
             wait_count(dep.c, dep.target);
         unsigned nxt = 0;
-        if (threadIdx.x == 0)
-            nxt = atomicAdd(&a.ctr[C_QUEUE], 1u);
+        int own = kQueue;
+        if (threadIdx.x == 0) {
+            own = own_item(a, ctl.step + 1, base_n2);
+            if (own == kQueue)
+                nxt = atomicAdd(&a.ctr[C_QUEUE], 1u) + q0;
+        }
+        bool plan = false;
         switch (kind) {
         case K_SEL: sel_item(a, dsm, cur, faulted); break;
         case K_ATT: att_item(a, ctl, dsm, cur, faulted); break;
         case K_MRG: merge_item(a, dsm, cur, faulted); break;
         case K_OPROJ: oproj_item<NR, V>(a, ctl, dsm, cur, faulted); break;
-        case K_NORM2: norm2_item<V>(a, ctl, dsm, cur, faulted); break;
-        case K_ROUTER: router_item<NR, V>(a, ctl, dsm, cur, faulted); break;
+        case K_NORM2: norm2_item<V>(a, ctl, dsm, dry ? -1 : cur, faulted); break;
+        case K_ROUTER: plan = router_item<NR, V>(a, ctl, dsm, cur, faulted) && a.pin < 2; break;
+        case K_PLAN: plan = true; break;
         case K_SHGU: shgu_item<NR, V>(a, ctl, dsm, cur, faulted); break;
         case K_EGU: egu_item<ENR, V>(a, ctl, dsm, cur, faulted); break;
         case K_SHDN: shdn_item<NR, V>(a, ctl, dsm, cur, faulted); break;
         case K_EDN: edn_item<ENR, V>(a, ctl, dsm, cur, faulted); break;
         default: final_item<V>(a, ctl, cur, faulted); break;
         }
-        trace_item(a, 1, kind, item, t0);
-        if (threadIdx.x == 0)
-            ctl.cur = (int)nxt;
+        if (plan) /* one call site: the plan's code is inlined once */
+            route_and_plan<V>(a, ctl, dsm, dry);
+        trace_item(a, 1, dry ? K_DRY : kind, item, t0);
+        if (threadIdx.x == 0) {
+            ctl.step++;
+            ctl.cur = own != kQueue ? own : q_item(a, (int)nxt, base_n2);
+        }
     }
     finish(a, ctl, true);
 }
