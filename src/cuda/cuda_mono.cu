@@ -155,7 +155,7 @@ struct m3_cuda_mono {
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
     int spin_ns, poll_acquire, shdn_early, edn_sub, pin; /* tuning knobs (see m3_cuda_mono_create) */
-    uint16_t *dry_rows; /* M3_MONO_PIN=3 scratch (see MonoArgs) */
+    uint16_t *dry_rows; /* M3_MONO_PIN=2 scratch (see MonoArgs) */
     float *dry_logits;
     int32_t *dry_plan;
 };
@@ -331,18 +331,19 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     /* The shared expert runs beside the router and the routing plan, where
      * most CTAs only wait: its down items are queued before the routed
      * experts' items (they wait only for the shared gate/up), not after
-     * them. M3_MONO_SHDN_EARLY=0 queues them after (docs/PERF.md, thirteenth
-     * session). */
-    m->shdn_early = env_int("M3_MONO_SHDN_EARLY", 1, 0, 1);
+     * them. M3_MONO_SHDN_EARLY=p queues p% of them there and the rest after
+     * the routed gate/up items (default 100; docs/PERF.md, thirteenth and
+     * fifteenth sessions). */
+    m->shdn_early = env_int("M3_MONO_SHDN_EARLY", 100, 0, 100);
     /* M3_MONO_EDN_SUB=n: 8-column tiles per routed down item (0, the
      * default: 8 above 8 rows, else 4; fewer, larger items pay at 16 rows,
      * not at one) */
     m->edn_sub = env_int("M3_MONO_EDN_SUB", 0, 0, 8);
-    /* M3_MONO_PIN=n: fixed CTAs for items on the chain (MonoArgs.pin; the
-     * same SM runs them at every launch, and with 3 runs them once dry
-     * where it would wait anyway, so the real ones find their code in the
-     * SM's instruction cache) */
-    m->pin = env_int("M3_MONO_PIN", 0, 0, 3);
+    /* M3_MONO_PIN=n: CTAs of their own for norm2 and the routing plan
+     * (MonoArgs.pin); with 2 they run both once dry while they would wait
+     * anyway, so the real ones find their code in the SM's instruction
+     * cache */
+    m->pin = env_int("M3_MONO_PIN", 0, 0, 2);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -811,11 +812,9 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     /* CTAs of their own for norm2 and the plan only where more CTAs than
      * rows run the queue; dry runs only at world 1 (a dry all-reduce would
      * wait for peers) */
-    a.pin = m->pin;
-    if (a.pin >= 2 && m->P <= a.T)
+    a.pin = m->P > a.T ? m->pin : 0;
+    if (a.pin >= 2 && m->world > 1)
         a.pin = 1;
-    if (a.pin >= 3 && m->world > 1)
-        a.pin = 2;
     a.dry_rows = m->dry_rows;
     a.dry_logits = m->dry_logits;
     a.dry_plan = m->dry_plan;

@@ -137,16 +137,16 @@ struct MonoArgs {
     uint2 *landing;      /* this rank's */
     /* tuning knobs (see cuda_mono.cu) */
     int spin_ns;      /* M3_MONO_SPIN_NS */
-    int shdn_early;   /* M3_MONO_SHDN_EARLY */
+    int shdn_early;   /* M3_MONO_SHDN_EARLY: % of the shared down items queued early */
     int edn_sub;      /* M3_MONO_EDN_SUB: 8-column tiles per routed down item (1..8) */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed
                        * polls, then one acquire) */
-    int pin;          /* M3_MONO_PIN: 0 the queue only; 1 each CTA's first item is its
-                       * own index; 2 also norm2 of row c on CTA c and the routing plan
-                       * on CTA 0; 3 also dry runs of both first (world 1) */
-    uint16_t *dry_rows; /* pin 3: [kMaxT][3][H] scratch rows the dry norm2s read and write */
-    float *dry_logits;  /* pin 3: [kMaxT][E] the dry plan's logits */
-    int32_t *dry_plan;  /* pin 3: [6][kMaxAssign + 1] the dry plan's outputs */
+    int pin;          /* M3_MONO_PIN: 0 every item from the queue; 1 norm2 of row t on
+                       * CTA t and the routing plan on CTA 0; 2 also dry runs of both
+                       * there first (world 1) */
+    uint16_t *dry_rows; /* pin 2: [kMaxT][3][H] scratch rows the dry norm2s read and write */
+    float *dry_logits;  /* pin 2: [kMaxT][E] the dry plan's logits */
+    int32_t *dry_plan;  /* pin 2: [6][kMaxAssign + 1] the dry plan's outputs */
     /* item trace (M3_MONO_TRACE): [cap] x kTraceWords {meta, start ns, end ns, inputs
      * ready ns, marks} */
     unsigned long long *trace;

@@ -38,7 +38,7 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     signal_count(&a.ctr[C_OPROJ]);
 }
 
-/* Row t's norm2; t < 0: the dry run (M3_MONO_PIN=3, world 1, CTAs 0..T-1)
+/* Row t's norm2; t < 0: the dry run (M3_MONO_PIN=2, world 1, CTAs 0..T-1)
  * on the CTA's scratch rows, so the real one runs with its code cached; it
  * signals nothing. */
 template <int V>
@@ -93,7 +93,7 @@ struct PlanIO {
  * sigmoid(l) + bias, NaN lowest, ties to the lower id; weights s / sum s),
  * then the distinct experts in ascending id with their members (assignment
  * m = t * K + s) in assignment order, as moe_plan_kernel groups them.
- * Padded rows route nowhere. One CTA. dry (M3_MONO_PIN=3): the same code on
+ * Padded rows route nowhere. One CTA. dry (M3_MONO_PIN=2): the same code on
  * scratch, publishing nothing, so the real plan runs with its code cached. */
 template <int V>
 __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, bool dry) {
@@ -226,7 +226,7 @@ __device__ __forceinline__ void router_prefetch(const MonoArgs &a, int item) {
 
 /* True in the CTA whose tile completes the router (it then sees every
  * logit; the kernel's loop runs the routing plan there unless CTA 0 holds
- * it, M3_MONO_PIN >= 2). */
+ * it, M3_MONO_PIN). */
 template <int NR, int V>
 __device__ bool router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                             bool faulted) {

@@ -118,12 +118,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     knobs_init(a);
     const int n_norm = a.T, n_proj = a.p_item0[5], n_idx = a.T * a.G;
     const int total = n_norm + n_proj + n_idx;
-    /* M3_MONO_PIN >= 1: CTA c's first item is item c (no atomic before the
-     * first item, and the same CTA, so the same SM, runs it at every
-     * launch); the queue hands out the items after the first wave */
-    const unsigned q0 = a.pin ? gridDim.x : 0u;
     if (threadIdx.x == 0)
-        ctl.cur = a.pin ? (int)blockIdx.x : (int)atomicAdd(&a.ctr[C_QUEUE], 1u);
+        ctl.cur = (int)atomicAdd(&a.ctr[C_QUEUE], 1u);
     for (;;) {
         bool faulted;
         int cur = next_item(a, ctl, &faulted);
@@ -131,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             break;
         unsigned nxt = 0;
         if (threadIdx.x == 0)
-            nxt = atomicAdd(&a.ctr[C_QUEUE], 1u) + q0; /* in flight during the item */
+            nxt = atomicAdd(&a.ctr[C_QUEUE], 1u); /* in flight during the item */
         unsigned long long t0 = a.trace ? gtimer() : 0;
         int item = cur, kind;
         if (cur < n_norm)
@@ -147,28 +143,27 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     finish(a, ctl, false);
 }
 
-/* M3_MONO_PIN >= 2: items outside the queue, run by fixed CTAs (codes
- * below 0; kQueue: the CTA's list is done, the queue hands out the next) */
+/* M3_MONO_PIN: items outside the queue, run by CTAs 0..T-1 (codes
+ * below 0; kQueue: the CTA's own list is done, the queue hands out the
+ * next item) */
 enum { kPlanItem = -2, kDryNorm2 = -3, kDryPlan = -4, kQueue = INT_MIN };
 
-/* Queue position q -> post item index: with pin >= 2 the norm2 items are
- * not in the queue (CTA t holds row t's). */
+/* Queue position q -> post item index: with pin the norm2 items are not in
+ * the queue (CTA t holds row t's). */
 __device__ __forceinline__ int q_item(const MonoArgs &a, int q, int base_n2) {
-    return a.pin >= 2 && q >= base_n2 ? q + a.T : q;
+    return a.pin && q >= base_n2 ? q + a.T : q;
 }
 
-/* The item at step s >= 1 of this CTA's own list (pin >= 2: CTAs 0..T-1,
- * after their first item: with pin 3 a dry norm2, and on CTA 0 a dry plan;
- * then CTA t row t's norm2; then CTA 0 the routing plan), else kQueue. The
- * host asks for pin >= 2 only with more CTAs than rows, so the CTAs past T
- * run the queue while these wait (every wait is for queue items, or for
- * norm2, which waits only for queue items). */
+/* Item s of this CTA's own list, else kQueue. With pin, CTA t < T first
+ * runs (pin 2) a dry norm2 and, on CTA 0, a dry routing plan, then row t's
+ * norm2, then (CTA 0) the routing plan, and only then takes queue items.
+ * The host asks for pin only with more CTAs than rows, so the CTAs past T
+ * run the queue while these wait (they wait only for queue items). */
 __device__ __forceinline__ int own_item(const MonoArgs &a, int s, int base_n2) {
     const int c = blockIdx.x;
-    if (a.pin < 2 || c >= a.T)
+    if (!a.pin || c >= a.T)
         return kQueue;
-    s -= 1;
-    if (a.pin >= 3) {
+    if (a.pin >= 2) {
         if (s == 0)
             return kDryNorm2;
         s -= 1;
@@ -197,14 +192,15 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int n_shgu = a.Is ? (a.Is / 4) * a.s_shgu : 0;
     const int n_shdn = a.Is ? (a.H / kTile) * a.s_shdn : 0;
     const int n_fin = (V & V_TP) ? a.T * ((a.H + 1023) / 1024) : 0;
-    const int n_shdn0 = a.shdn_early ? n_shdn : 0; /* shared down items before the routed */
+    /* shared down items queued before the routed experts' (the rest after
+     * the routed gate/up) */
+    const int n_shdn0 = n_shdn * a.shdn_early / 100;
     const int base_n2 = n_sel + n_att + n_mrg + n_o;
     const int base_dyn = base_n2 + n_n2 + n_rt + n_shgu + n_shdn0;
-    const unsigned q0 = a.pin ? gridDim.x : 0u; /* queue positions past the first wave */
     if (threadIdx.x == 0) {
         ctl.step = 0;
-        ctl.cur = q_item(a, a.pin ? (int)blockIdx.x : (int)atomicAdd(&a.ctr[C_QUEUE], 1u),
-                         base_n2);
+        const int own = own_item(a, 0, base_n2);
+        ctl.cur = own != kQueue ? own : q_item(a, (int)atomicAdd(&a.ctr[C_QUEUE], 1u), base_n2);
         /* Landing tags (world > 1) from the count of earlier post launches,
          * which only the previous launch's last CTA changed: the same in
          * every CTA, the same on every rank (ranks run the same layer calls),
@@ -250,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         else if ((cur -= n_shdn0) < n_egu)
             kind = K_EGU;
         else if ((cur -= n_egu) < n_shdn - n_shdn0)
-            kind = K_SHDN;
+            kind = K_SHDN, cur += n_shdn0;
         else if ((cur -= n_shdn - n_shdn0) < n_edn)
             kind = K_EDN;
         else
@@ -275,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         if (threadIdx.x == 0) {
             own = own_item(a, ctl.step + 1, base_n2);
             if (own == kQueue)
-                nxt = atomicAdd(&a.ctr[C_QUEUE], 1u) + q0;
+                nxt = atomicAdd(&a.ctr[C_QUEUE], 1u);
         }
         bool plan = false;
         switch (kind) {
@@ -284,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         case K_MRG: merge_item(a, dsm, cur, faulted); break;
         case K_OPROJ: oproj_item<NR, V>(a, ctl, dsm, cur, faulted); break;
         case K_NORM2: norm2_item<V>(a, ctl, dsm, dry ? -1 : cur, faulted); break;
-        case K_ROUTER: plan = router_item<NR, V>(a, ctl, dsm, cur, faulted) && a.pin < 2; break;
+        case K_ROUTER: plan = router_item<NR, V>(a, ctl, dsm, cur, faulted) && !a.pin; break;
         case K_PLAN: plan = true; break;
         case K_SHGU: shgu_item<NR, V>(a, ctl, dsm, cur, faulted); break;
         case K_EGU: egu_item<ENR, V>(a, ctl, dsm, cur, faulted); break;
