@@ -332,18 +332,19 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * most CTAs only wait: its down items are queued before the routed
      * experts' items (they wait only for the shared gate/up), not after
      * them. M3_MONO_SHDN_EARLY=p queues p% of them there and the rest after
-     * the routed gate/up items (default 100; docs/PERF.md, thirteenth and
-     * fifteenth sessions). */
-    m->shdn_early = env_int("M3_MONO_SHDN_EARLY", 100, 0, 100);
+     * the routed gate/up items (-1, the default: 25% at up to 4 rows, where
+     * the plan now ends before the shared down items do, else 100%;
+     * docs/PERF.md, thirteenth and fifteenth sessions). */
+    m->shdn_early = env_int("M3_MONO_SHDN_EARLY", -1, 0, 100);
     /* M3_MONO_EDN_SUB=n: 8-column tiles per routed down item (0, the
      * default: 8 above 8 rows, else 4; fewer, larger items pay at 16 rows,
      * not at one) */
     m->edn_sub = env_int("M3_MONO_EDN_SUB", 0, 0, 8);
     /* M3_MONO_PIN=n: CTAs of their own for norm2 and the routing plan
-     * (MonoArgs.pin); with 2 they run both once dry while they would wait
-     * anyway, so the real ones find their code in the SM's instruction
-     * cache */
-    m->pin = env_int("M3_MONO_PIN", 0, 0, 2);
+     * (MonoArgs.pin); with 2, the default, they run both once dry while
+     * they would wait anyway, so the real ones find their code in the SM's
+     * instruction cache (−3% at one row, docs/PERF.md, fifteenth session) */
+    m->pin = env_int("M3_MONO_PIN", 2, 0, 2);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -807,7 +808,7 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.landing = m->landing;
     a.spin_ns = m->spin_ns;
     a.poll_acquire = m->poll_acquire;
-    a.shdn_early = m->shdn_early;
+    a.shdn_early = m->shdn_early >= 0 ? m->shdn_early : (a.T <= 4 ? 25 : 100);
     a.edn_sub = m->edn_sub ? m->edn_sub : (a.T > 8 ? 8 : 4);
     /* CTAs of their own for norm2 and the plan only where more CTAs than
      * rows run the queue; dry runs only at world 1 (a dry all-reduce would
