@@ -341,10 +341,12 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * not at one) */
     m->edn_sub = env_int("M3_MONO_EDN_SUB", 0, 0, 8);
     /* M3_MONO_PIN=n: CTAs of their own for norm2 and the routing plan
-     * (MonoArgs.pin); with 2, the default, they run both once dry while
-     * they would wait anyway, so the real ones find their code in the SM's
-     * instruction cache (−3% at one row, docs/PERF.md, fifteenth session) */
-    m->pin = env_int("M3_MONO_PIN", 2, 0, 2);
+     * (MonoArgs.pin); with 2 they run both once dry while they would wait
+     * anyway, so the real ones find their code in the SM's instruction
+     * cache. -1, the default: 2 at up to 8 rows (-3.5% at one row, -1% at
+     * 8), 0 above (+0.6% at 16: its dry plan takes 28 us; docs/PERF.md,
+     * fifteenth session). */
+    m->pin = env_int("M3_MONO_PIN", -1, 0, 2);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -813,7 +815,9 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     /* CTAs of their own for norm2 and the plan only where more CTAs than
      * rows run the queue; dry runs only at world 1 (a dry all-reduce would
      * wait for peers) */
-    a.pin = m->P > a.T ? m->pin : 0;
+    a.pin = m->pin >= 0 ? m->pin : (a.T <= 8 ? 2 : 0);
+    if (m->P <= a.T)
+        a.pin = 0;
     if (a.pin >= 2 && m->world > 1)
         a.pin = 1;
     a.dry_rows = m->dry_rows;
