@@ -154,8 +154,7 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
-    int spin_ns, poll_acquire, shdn_early, edn_sub, pin, plan_stage; /* tuning knobs (see
-                                                                       * m3_cuda_mono_create) */
+    int spin_ns, poll_acquire, shdn_early, edn_sub, pin; /* tuning knobs (see m3_cuda_mono_create) */
     uint16_t *dry_rows; /* M3_MONO_PIN=2 scratch (see MonoArgs) */
     float *dry_logits;
     int32_t *dry_plan;
@@ -348,12 +347,6 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * 8), 0 above (+0.6% at 16: its dry plan takes 28 us; docs/PERF.md,
      * fifteenth session). */
     m->pin = env_int("M3_MONO_PIN", -1, 0, 2);
-    /* M3_MONO_PLAN_STAGE=1: the routing plan copies every row's logits to
-     * shared memory at once, where they fit in the launch's shared memory
-     * as sized above (E up to ~400 at real widths), instead of each warp
-     * reading its rows' as it goes */
-    m->plan_stage = env_int("M3_MONO_PLAN_STAGE", 0, 0, 1) &&
-                    plan_log_offset(E) + (size_t)(kMaxT + 1) * E * 4 <= smem;
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -827,7 +820,6 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
         a.pin = 0;
     if (a.pin >= 2 && m->world > 1)
         a.pin = 1;
-    a.plan_stage = m->plan_stage;
     a.dry_rows = m->dry_rows;
     a.dry_logits = m->dry_logits;
     a.dry_plan = m->dry_plan;

@@ -141,7 +141,6 @@ struct MonoArgs {
     int edn_sub;      /* M3_MONO_EDN_SUB: 8-column tiles per routed down item (1..8) */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed
                        * polls, then one acquire) */
-    int plan_stage;   /* M3_MONO_PLAN_STAGE (where it fits): the plan's logits staged at once */
     int pin;          /* M3_MONO_PIN: 0 every item from the queue; 1 norm2 of row t on
                        * CTA t and the routing plan on CTA 0; 2 also dry runs of both
                        * there first (world 1) */
@@ -187,11 +186,6 @@ constexpr int kIdxHeadsPerPass = 4;
  * order (2 x kMaxAssign ints), then each warp's staged keys and sigmoids */
 __host__ __device__ constexpr size_t plan_key_offset() {
     return (2 * (size_t)kMaxAssign * sizeof(int) + 15) / 16 * 16;
-}
-
-/* then (M3_MONO_PLAN_STAGE) every row's logits and the bias: (kMaxT + 1) x E floats */
-__host__ __device__ constexpr size_t plan_log_offset(int E) {
-    return plan_key_offset() + (size_t)kWarps * E * 8;
 }
 
 __host__ __device__ __forceinline__ int idx_row_bytes() { return kHD * 2 + 16; }

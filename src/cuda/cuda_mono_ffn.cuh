@@ -115,31 +115,15 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, 
      * sizes the shared memory for them) */
     float *wkey = reinterpret_cast<float *>(dsm + plan_key_offset()) + (size_t)warp * 2 * E;
     float *wsig = wkey + E;
-    /* M3_MONO_PLAN_STAGE=1: every row's logits and the bias copied to shared
-     * memory by the whole CTA first (a few loads in flight per thread), so
-     * the rows' loops below do not each wait for E / 32 dependent L2 reads
-     * per row (16 per warp at 16 rows) */
-    const bool staged = a.plan_stage != 0;
-    float *slog = reinterpret_cast<float *>(dsm + plan_log_offset(E)); /* [T][E], bias [E] */
-    if (staged) {
-#pragma unroll 4
-        for (int i = threadIdx.x; i < a.T * E; i += kThreads)
-            slog[i] = __ldcg(io.logits + i);
-        if (a.rbias)
-            for (int e = threadIdx.x; e < E; e += kThreads)
-                slog[a.T * E + e] = __ldg(a.rbias + e);
-        __syncthreads();
-    }
     for (int t = warp; t < a.T; t += kWarps) {
         /* the slot's load and the keys' in flight together (a padded row's
          * logits are written too, so staging them is harmless) */
         const bool padded = a.slots[t] < 0;
-        const float *l = staged ? slog + (size_t)t * E : io.logits + (size_t)t * E;
-        const float *bias = staged ? slog + (size_t)a.T * E : a.rbias;
+        const float *l = io.logits + (size_t)t * E;
 #pragma unroll 1 /* once per step: small code beats unrolled code here */
         for (int e = lane; e < E; e += 32) {
-            float sg = m3_sigmoid(staged ? l[e] : __ldcg(l + e));
-            float key = sg + (a.rbias ? (staged ? bias[e] : __ldg(bias + e)) : 0.0f);
+            float sg = m3_sigmoid(__ldcg(l + e));
+            float key = sg + (a.rbias ? __ldg(a.rbias + e) : 0.0f);
             wkey[e] = isnan(key) ? -INFINITY : key;
             wsig[e] = sg;
         }
