@@ -44,7 +44,13 @@
  *        routed gate+up tiles (n_uniq x I/4, only the experts the rows
  *        route to) | routed down items (n_uniq x H/8/sub) — the last
  *        contribution to an 8-column tile of the output combines it | TP:
- *        final sums.
+ *        final sums. Up to 8 rows (world 1), norm2 and the plan are not
+ *        in the queue: CTA t runs row t's norm2 and CTA 0 the plan, each
+ *        after a dry run of the same code on scratch while they would wait
+ *        anyway (the code on the chain is fetched once per launch, cold;
+ *        run dry first it is cached: M3_MONO_PIN), and at up to 4 rows a
+ *        quarter of the shared down items are queued before the routed
+ *        experts, the rest after their gate/up (M3_MONO_SHDN_EARLY).
  *
  * GEMV tiles: 8 output rows (2 per warp) over K, the rows' activations
  * staged in shared memory 1024 columns at a time (cp.async); weights
@@ -345,7 +351,9 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * anyway, so the real ones find their code in the SM's instruction
      * cache. -1, the default: 2 at up to 8 rows (-3.5% at one row, -1% at
      * 8), 0 above (+0.6% at 16: its dry plan takes 28 us; docs/PERF.md,
-     * fifteenth session). */
+     * fifteenth session), and 0 at world > 1 until the multi-GPU tests
+     * have run with it (gpu-check's multigpu stage runs them with
+     * M3_MONO_PIN=1 too). */
     m->pin = env_int("M3_MONO_PIN", -1, 0, 2);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
@@ -815,7 +823,7 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     /* CTAs of their own for norm2 and the plan only where more CTAs than
      * rows run the queue; dry runs only at world 1 (a dry all-reduce would
      * wait for peers) */
-    a.pin = m->pin >= 0 ? m->pin : (a.T <= 8 ? 2 : 0);
+    a.pin = m->pin >= 0 ? m->pin : (a.T <= 8 && m->world == 1 ? 2 : 0);
     if (m->P <= a.T)
         a.pin = 0;
     if (a.pin >= 2 && m->world > 1)
