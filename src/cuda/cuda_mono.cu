@@ -160,7 +160,8 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
-    int spin_ns, poll_acquire, shdn_early, edn_sub, pin; /* tuning knobs (see m3_cuda_mono_create) */
+    /* tuning knobs (see m3_cuda_mono_create) */
+    int spin_ns, poll_acquire, shdn_early, edn_sub, pin;
     uint16_t *dry_rows; /* M3_MONO_PIN=2 scratch (see MonoArgs) */
     float *dry_logits;
     int32_t *dry_plan;

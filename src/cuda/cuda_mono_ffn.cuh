@@ -99,11 +99,12 @@ template <int V>
 __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, bool dry) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int E = a.E, K = a.K, n = a.T * K;
-    const int dn = kMaxAssign + 1;
-    const PlanIO io = dry ? PlanIO{a.dry_logits, a.dry_plan, reinterpret_cast<float *>(a.dry_plan) + dn,
-                                   a.dry_plan + 2 * dn, a.dry_plan + 3 * dn, a.dry_plan + 4 * dn,
-                                   a.dry_plan + 5 * dn}
-                          : PlanIO{a.logits, a.rids, a.rw, a.uniq, a.ufirst, a.members, a.n_uniq};
+    const int dn = kMaxAssign + 1; /* a.dry_plan: [6][dn] */
+    const PlanIO io =
+        dry ? PlanIO{a.dry_logits, a.dry_plan, reinterpret_cast<float *>(a.dry_plan) + dn,
+                     a.dry_plan + 2 * dn, a.dry_plan + 3 * dn, a.dry_plan + 4 * dn,
+                     a.dry_plan + 5 * dn}
+            : PlanIO{a.logits, a.rids, a.rw, a.uniq, a.ufirst, a.members, a.n_uniq};
     /* the assignments' experts (shared memory; INT_MAX: a padded row's) */
     int *pid = reinterpret_cast<int *>(dsm); /* [n] */
     int *sorted = pid + kMaxAssign;          /* [n] */
