@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         const int item = cur;
         int kind;
         if (cur < 0)
-            kind = cur == kPlanItem ? K_PLAN : (cur == kDryNorm2 ? K_NORM2 : K_PLAN);
+            kind = cur == kDryNorm2 ? K_NORM2 : K_PLAN; /* kPlanItem, kDryPlan: the plan */
         else if (cur < n_sel)
             kind = K_SEL;
         else if ((cur -= n_sel) < n_att)
