@@ -297,11 +297,13 @@ __device__ __forceinline__ void chunk_load(WBuf<FP8> &b, const WRow &W, int64_t 
         }
 }
 
-/* One piece u of the chunk: acc[r][t] += w[r][piece u] . x[t][piece u],
- * the weights at b.wv[r][u] (scales b.sc[r][u]). */
+/* One piece u of the chunk: acc[r][t] += w[r][piece u] . x[t][piece u]
+ * for the real rows t < rows (the row bucket's others are zeros nobody
+ * reads: a routed expert at 2-16 rows mostly has one member in a bucket of
+ * 2-4), the weights at b.wv[r][u] (scales b.sc[r][u]). */
 template <int NR, bool FP8>
 __device__ __forceinline__ void piece_fma(float (&acc)[kRW][NR], const WBuf<FP8> &b, int u,
-                                          int k, const uint16_t *xs) {
+                                          int k, const uint16_t *xs, int rows) {
     float wf[kRW][8];
 #pragma unroll
     for (int r = 0; r < kRW; r++) {
@@ -312,6 +314,8 @@ __device__ __forceinline__ void piece_fma(float (&acc)[kRW][NR], const WBuf<FP8>
     }
 #pragma unroll
     for (int t = 0; t < NR; t++) {
+        if (t > 0 && t >= rows) /* (a GEMV has at least one row) */
+            break;
         float xf[8];
         unpack8(*reinterpret_cast<const uint4 *>(xs + t * kKC + k), xf);
 #pragma unroll
@@ -335,7 +339,7 @@ constexpr int kRollNR = M3_MONO_ROLL_NR;
 
 template <int NR, bool FP8>
 __device__ __forceinline__ void chunk_fma(float (&acc)[kRW][NR], const WBuf<FP8> &b, int kn,
-                                          const uint16_t *xs, int lane) {
+                                          const uint16_t *xs, int lane, int rows) {
     if constexpr (NR >= kRollNR) {
         /* one piece's code, the next piece's weights moved into place 0
          * after each: the same products in the same order */
@@ -344,7 +348,7 @@ __device__ __forceinline__ void chunk_fma(float (&acc)[kRW][NR], const WBuf<FP8>
         for (int u = 0; u < kKU; u++) {
             const int k = lane * 8 + u * 256;
             if (k < kn)
-                piece_fma<NR, FP8>(acc, w, 0, k, xs);
+                piece_fma<NR, FP8>(acc, w, 0, k, xs, rows);
 #pragma unroll
             for (int r = 0; r < kRW; r++)
 #pragma unroll
@@ -359,7 +363,7 @@ __device__ __forceinline__ void chunk_fma(float (&acc)[kRW][NR], const WBuf<FP8>
         for (int u = 0; u < kKU; u++) {
             const int k = lane * 8 + u * 256;
             if (k < kn)
-                piece_fma<NR, FP8>(acc, b, u, k, xs);
+                piece_fma<NR, FP8>(acc, b, u, k, xs, rows);
         }
     }
 }
@@ -380,7 +384,7 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
         __syncthreads();
         mark(); /* the chunk's activations staged */
         if (n0 < N)
-            chunk_fma<NR, FP8>(acc, b, kn, xs, lane);
+            chunk_fma<NR, FP8>(acc, b, kn, xs, lane, rows);
         mark(); /* warp 0's products of the chunk done (thread 0's time) */
     }
 }
@@ -414,7 +418,8 @@ __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
     for (int r = 0; r < kRW; r++)
 #pragma unroll
         for (int t = 0; t < NR; t++)
-            acc[r][t] = m3_warp_sum(acc[r][t]);
+            if (t == 0 || t < rows) /* the bucket's other rows: nobody reads them */
+                acc[r][t] = m3_warp_sum(acc[r][t]);
 }
 
 /* The fp32-weight GEMV (the router): linear_f32w_kernel's inner loop, two
@@ -459,6 +464,8 @@ __device__ void gemv_rows_f32(float (&acc)[kRW][NR], const float *w, int64_t n0,
                 continue;
 #pragma unroll
             for (int t = 0; t < NR; t++) {
+                if (t > 0 && t >= rows)
+                    break;
                 const uint2 xv = *reinterpret_cast<const uint2 *>(xs + t * kKC + k);
                 const float x0 = __uint_as_float(xv.x << 16);
                 const float x1 = __uint_as_float(xv.x & 0xffff0000u);
@@ -476,7 +483,8 @@ __device__ void gemv_rows_f32(float (&acc)[kRW][NR], const float *w, int64_t n0,
     for (int r = 0; r < kRW; r++)
 #pragma unroll
         for (int t = 0; t < NR; t++)
-            acc[r][t] = m3_warp_sum(acc[r][t]);
+            if (t == 0 || t < rows) /* the bucket's other rows: nobody reads them */
+                acc[r][t] = m3_warp_sum(acc[r][t]);
 }
 
 /* acc (every lane holds the warp's sums) -> ctl.fin[warp * 2 + r][t] */
