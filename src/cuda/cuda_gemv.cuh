@@ -80,7 +80,8 @@ struct gemv_no_step {
 template <int T, typename Step>
 __device__ __forceinline__ void gemv_chunk_bf16(float (&acc)[GEMV_R][T], const gemv_weight &W,
                                                 int64_t n0, int64_t N, int kc, int kn,
-                                                const uint16_t *xs, int lane, Step after_step) {
+                                                const uint16_t *xs, int lane, int rows,
+                                                Step after_step) {
     uint4 wv[GEMV_R][GEMV_U];
 #pragma unroll
     for (int r = 0; r < GEMV_R; r++)
@@ -101,6 +102,8 @@ __device__ __forceinline__ void gemv_chunk_bf16(float (&acc)[GEMV_R][T], const g
                 unpack8(wv[r][u], wf[r]);
 #pragma unroll
             for (int t = 0; t < T; t++) {
+                if (t > 0 && t >= rows) /* a padded row: nobody reads its sums */
+                    break;
                 float xf[8];
                 unpack8(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
 #pragma unroll
@@ -116,12 +119,14 @@ __device__ __forceinline__ void gemv_chunk_bf16(float (&acc)[GEMV_R][T], const g
 }
 
 /* acc[r][t] += w[n0 + r, kc + k] x[t, k] over this lane's k of the chunk,
+ * for the real rows t < rows (a bucket's padded rows are zeros nobody
+ * reads; a routed expert's pass mostly has one member in a bucket of 2-4),
  * in steps of 256 columns (8 per lane), after_step(u) after step u (every
  * lane; the whole warp's FMAs of the step are done). */
 template <int T, bool FP8, typename Step = gemv_no_step>
 __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_weight &W,
                                            int64_t n0, int64_t N, int kc, int kn,
-                                           const uint16_t *xs, int lane,
+                                           const uint16_t *xs, int lane, int rows,
                                            Step after_step = Step()) {
     if constexpr (FP8) {
         uint2 wv[GEMV_R][GEMV_U];
@@ -146,6 +151,8 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_w
                     e4m3x8_to_f32(wv[r][u], sc[r][u], wf[r]);
 #pragma unroll
                 for (int t = 0; t < T; t++) {
+                    if (t > 0 && t >= rows)
+                        break;
                     float xf[8];
                     unpack8(*reinterpret_cast<const uint4 *>(xs + t * GEMV_KC + k), xf);
 #pragma unroll
@@ -159,7 +166,7 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_w
                 after_step(u);
         }
     } else {
-        gemv_chunk_bf16<T>(acc, W, n0, N, kc, kn, xs, lane, after_step);
+        gemv_chunk_bf16<T>(acc, W, n0, N, kc, kn, xs, lane, rows, after_step);
     }
 }
 
@@ -184,7 +191,7 @@ __device__ __forceinline__ void gemv_rows_lane(float (&acc)[GEMV_R][T], const ge
         gemv_stage_x<T>(xs, row_ptr, rows, kc, kn);
         __syncthreads();
         if (n0 < N)
-            gemv_chunk<T, FP8>(acc, W, n0, N, kc, kn, xs, lane, after_step);
+            gemv_chunk<T, FP8>(acc, W, n0, N, kc, kn, xs, lane, rows, after_step);
     }
 }
 
@@ -198,7 +205,8 @@ __device__ __forceinline__ void gemv_rows(float (&acc)[GEMV_R][T], const gemv_we
     for (int r = 0; r < GEMV_R; r++)
 #pragma unroll
         for (int t = 0; t < T; t++)
-            acc[r][t] = m3_warp_sum(acc[r][t]);
+            if (t == 0 || t < rows) /* the padded rows' sums: nobody reads them */
+                acc[r][t] = m3_warp_sum(acc[r][t]);
 }
 
 /* The world-invariant sum (cuda_ksum.cuh) of chunks [c0, c0 + group) of

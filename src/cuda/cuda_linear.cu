@@ -340,6 +340,8 @@ __global__ void __launch_bounds__(GEMV_THREADS)
                 continue;
 #pragma unroll
             for (int t = 0; t < T; t++) {
+                if (t > 0 && t >= rows) /* a padded row: nobody reads its sum */
+                    break;
                 const uint16_t *xr = xs + t * GEMV_KC + k;
                 acc[t] += wv[u].x * m3_bf(xr[0]) + wv[u].y * m3_bf(xr[1]) +
                           wv[u].z * m3_bf(xr[2]) + wv[u].w * m3_bf(xr[3]);
@@ -348,8 +350,10 @@ __global__ void __launch_bounds__(GEMV_THREADS)
     }
 #pragma unroll
     for (int t = 0; t < T; t++) {
+        if (t > 0 && t >= rows)
+            break;
         float v = m3_warp_sum(acc[t]);
-        if (lane == 0 && n < N && t < rows)
+        if (lane == 0 && n < N)
             part[((int64_t)blockIdx.y * rows + t) * N + n] = v;
     }
 }
