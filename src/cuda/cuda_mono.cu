@@ -372,6 +372,7 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     m->s_o = stock_splits(sm, H, (int64_t)Nq * kHD, 16);
     m->s_o = env_int("M3_MONO_SPLITS_O", m->s_o, 1, 64); /* experiments */
     m->s_rt = stock_splits(sm, E, H, 8);
+    m->s_rt = env_int("M3_MONO_SPLITS_RT", m->s_rt, 1, 64); /* experiments */
     /* the shared gate/up unsplit: off the chain, so fewer and larger items
      * (all of K, no partial sums) finish sooner, before the routing plan;
      * the stock rule's 6 splits made 1,152 items of 16 KB */
