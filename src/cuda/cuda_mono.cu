@@ -137,7 +137,7 @@ struct m3_cuda_mono {
     size_t smem;        /* dynamic shared memory per CTA */
     int mtiles, S, s_p[5], p_item0[6], s_pmax, s_o, s_rt, s_shgu, s_shdn, sel_staged;
     int Ntot, nheads, rt_tiles, n_ctr;
-    int o_head, o_ptile, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb;
+    int o_head, o_ptile, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb, o_idxq;
     double inv_freq[kMaxHalf];
     void *block;        /* every buffer below, one allocation */
     size_t block_bytes;
@@ -161,7 +161,7 @@ struct m3_cuda_mono {
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
     /* tuning knobs (see m3_cuda_mono_create) */
-    int spin_ns, poll_acquire, shdn_early, edn_sub, pin;
+    int spin_ns, poll_acquire, shdn_early, edn_sub, pin, idx_claim, idx_run;
     uint16_t *dry_rows; /* M3_MONO_PIN=2 scratch (see MonoArgs) */
     float *dry_logits;
     int32_t *dry_plan;
@@ -356,6 +356,13 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * have run with it (gpu-check's multigpu stage runs them with
      * M3_MONO_PIN=1 too). */
     m->pin = env_int("M3_MONO_PIN", -1, 0, 2);
+    /* M3_MONO_IDX_CLAIM=1 (this branch's default; 0 the fixed slices): the
+     * index-score items claim runs of M3_MONO_IDX_RUN pages (default 4) of
+     * one row at run time, so the pages balance over whichever CTAs are
+     * free (fixed slices at long contexts are few, long items, and those
+     * taken late end late: docs/PERF.md, sixteenth session) */
+    m->idx_claim = env_int("M3_MONO_IDX_CLAIM", 1, 0, 1);
+    m->idx_run = env_int("M3_MONO_IDX_RUN", 4, 1, 1 << 20);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
     const int sm = cu->sm_count;
@@ -395,6 +402,7 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     m->o_shdn = at, at += H / kTile;
     m->o_egu = at, at += R * K;
     m->o_comb = at, at += H / kTile;
+    m->o_idxq = at, at += R + 1; /* and the rows whose runs are all taken */
     m->n_ctr = at;
 
     /* every buffer in one allocation, zeroed */
@@ -698,8 +706,15 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.group = Nq / Nkv;
     a.mtiles = m->mtiles;
     a.S = m->S;
-    int G = m->P / a.T;
-    a.G = G < 1 ? 1 : (G > a.mb ? a.mb : G);
+    /* index items: with claims, one per CTA (each visits every row); else
+     * G fixed slices per row */
+    a.idx_claim = m->idx_claim;
+    /* a claim's pages: M3_MONO_IDX_RUN, fewer where the pages would not
+     * reach every CTA (one row, short context: one page each, as before) */
+    const int64_t per_cta = ((int64_t)a.T * a.mb + m->P - 1) / m->P;
+    a.idx_run = per_cta < m->idx_run ? (int)(per_cta < 1 ? 1 : per_cta) : m->idx_run;
+    int G = m->idx_claim ? m->P : m->P / a.T;
+    a.G = G < 1 ? 1 : (!m->idx_claim && G > a.mb ? a.mb : G);
     a.rt_tiles = m->rt_tiles;
     a.Ntot = m->Ntot;
     a.off_ik = Ni * kHD;
@@ -814,6 +829,7 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.o_shgu = m->o_shgu;
     a.o_shdn = m->o_shdn;
     a.o_egu = m->o_egu;
+    a.o_idxq = m->o_idxq;
     a.o_comb = m->o_comb;
     a.fault = m->fault;
     a.peers = m->peers_dev;

@@ -132,6 +132,8 @@ struct MonoArgs {
     unsigned *calls; /* post launches so far (the landing tags; see mono_post_kernel) */
     int n_ctr;
     int o_head, o_ptile, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb;
+    int o_idxq; /* [kMaxT] index-score runs claimed per row, then a mask of the rows
+                 * whose runs are all taken (M3_MONO_IDX_CLAIM) */
     int *fault;
     uint2 *const *peers; /* [world] landing areas, rank order */
     uint2 *landing;      /* this rank's */
@@ -144,6 +146,8 @@ struct MonoArgs {
     int pin;          /* M3_MONO_PIN: 0 every item from the queue; 1 norm2 of row t on
                        * CTA t and the routing plan on CTA 0; 2 also dry runs of both
                        * there first (world 1) */
+    int idx_claim;      /* M3_MONO_IDX_CLAIM: index pages claimed at run time (G items) */
+    int idx_run;        /* M3_MONO_IDX_RUN: pages per claim */
     uint16_t *dry_rows; /* pin 2: [kMaxT][3][H] scratch rows the dry norm2s read and write */
     float *dry_logits;  /* pin 2: [kMaxT][E] the dry plan's logits */
     int32_t *dry_plan;  /* pin 2: [6][kMaxAssign + 1] the dry plan's outputs */

@@ -273,6 +273,166 @@ __device__ void idx_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
     cp_async_wait<0>();
 }
 
+/* ---------------------------------------------------------------- index scores, claimed
+ * (M3_MONO_IDX_CLAIM=1) A fixed slice of a row per item makes few, long
+ * items at long contexts, and the ones taken late, by CTAs that ran
+ * projections first, end late (docs/PERF.md, sixteenth session). Here one
+ * item per CTA claims runs of a.idx_run pages of one row from that row's
+ * counter, starting at row (item mod T) and moving to the next row when a
+ * row's runs are gone, so the pages go to whichever CTAs are free. The
+ * run after the current one is claimed while it is scored, and the next
+ * page is loaded while the current one is scored, across runs and rows.
+ * The blocks no page covers (past a row's count, every block of a bad row)
+ * are filled by all items together. */
+
+struct IdxGen { /* thread 0's page stream */
+    int v;          /* rows visited */
+    int t;          /* the current row, -1 none */
+    int nb, nrun;   /* its blocks and runs */
+    int b, end;     /* the current run's next page and end */
+    unsigned ahead; /* the row's claim after the current run */
+    int64_t kv_len;
+    const int32_t *table;
+};
+
+/* A page of the stream as thread 0 publishes it in ctl.mem[8 s ..]: row
+ * (-1: the stream has ended), block, key count (-1: a bad page) and page. */
+struct IdxPage {
+    int t, b, count;
+    int64_t page;
+};
+/* ctl.mem holds two published pages (8 ints apart); the done mask a bit per row */
+static_assert(kMaxT >= 13 && kMaxT <= 32, "kMaxT out of the index claims' range");
+
+__device__ __forceinline__ void idx_put(int *slot, const IdxPage &p) {
+    slot[0] = p.t, slot[1] = p.b, slot[2] = p.count;
+    slot[3] = (int)(p.page & 0xffffffff), slot[4] = (int)(p.page >> 32);
+}
+
+__device__ __forceinline__ IdxPage idx_get(const int *slot) {
+    return {slot[0], slot[1], slot[2],
+            (int64_t)(((uint64_t)(unsigned)slot[4] << 32) | (unsigned)slot[3])};
+}
+
+/* Thread 0: the next page of item w's stream. */
+__device__ IdxPage idx_next(const MonoArgs &a, int w, IdxGen &g) {
+    unsigned *runs = a.ctr + a.o_idxq;
+    for (;;) {
+        if (g.t >= 0 && g.b < g.end) {
+            const int b = g.b++;
+            const int64_t page = g.table[b];
+            int count = (int)min((int64_t)M3_PAGE, g.kv_len - (int64_t)b * M3_PAGE);
+            if (!page_ok(a, page)) {
+                fault_set(a.fault, M3_MONO_FAULT_PAGE, a.layer, g.t, page);
+                count = -1;
+            }
+            return {g.t, b, count, page};
+        }
+        if (g.t >= 0) {
+            const unsigned k = g.ahead; /* claimed a run ago (or at the row's start) */
+            if (k < (unsigned)g.nrun) {
+                g.b = (int)k * a.idx_run;
+                g.end = min(g.b + a.idx_run, g.nb);
+                g.ahead = atomicAdd(&runs[g.t], 1u); /* in flight during this run */
+                continue;
+            }
+            atomicOr(&runs[kMaxT], 1u << g.t); /* the row's runs are all taken */
+            g.t = -1;
+        }
+        /* skip the rows others found done (one load, instead of a claim
+         * round trip per row at the end of the phase) */
+        const unsigned done = *reinterpret_cast<volatile unsigned *>(&runs[kMaxT]);
+        while (g.v < a.T && (done >> ((w + g.v) % a.T) & 1u))
+            g.v++;
+        if (g.v >= a.T)
+            return {-1, 0, 0, 0};
+        const int t = (w + g.v++) % a.T;
+        const RowView rv = load_row(a, t);
+        if (rv.state != ROW_OK || rv.nblocks == 0)
+            continue; /* padded: nothing; bad: idx_fill's */
+        g.t = t;
+        g.nb = rv.nblocks;
+        g.nrun = (rv.nblocks + a.idx_run - 1) / a.idx_run;
+        g.b = g.end = 0;
+        g.kv_len = rv.kv_len;
+        g.table = rv.table;
+        g.ahead = atomicAdd(&runs[t], 1u);
+    }
+}
+
+/* The scores no page writes, item w's share of them: -inf past a row's
+ * blocks, NaN (and the fault) for every block of a bad row. */
+__device__ void idx_fill(const MonoArgs &a, int w) {
+    const int64_t per_row = (int64_t)a.Ni * a.mb, n = (int64_t)a.T * per_row;
+    for (int64_t k = (int64_t)w * kThreads + threadIdx.x; k < n; k += (int64_t)a.G * kThreads) {
+        const int t = (int)(k / per_row);
+        const int b = (int)((k - t * per_row) % a.mb);
+        const RowView rv = load_row(a, t);
+        if (rv.state == ROW_BAD) {
+            if (k == t * per_row)
+                fault_set(a.fault, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
+            a.scores[k] = m3_qnan();
+        } else if (rv.state == ROW_OK && b >= rv.nblocks) {
+            a.scores[k] = -INFINITY;
+        }
+    }
+}
+
+__device__ void idx_issue(const MonoArgs &a, const IdxPage &p, unsigned char *dst) {
+    if (p.t < 0 || p.count <= 0)
+        return;
+    const unsigned char *src =
+        reinterpret_cast<const unsigned char *>(a.ic + p.page * M3_PAGE * kHD);
+    const int cpr = kHD / 8, rb = idx_row_bytes();
+    for (int c = threadIdx.x; c < p.count * cpr; c += kThreads) {
+        int r = c / cpr, k = c - r * cpr;
+        cp_async16(dst + r * rb + k * 16, src + ((int64_t)r * kHD + k * 8) * 2, true);
+    }
+}
+
+/* (not inlined: its page stream's state stays out of the projection
+ * items' registers) */
+__device__ __noinline__ void idx_claim_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm,
+                                            int w, bool faulted) {
+    wait_count(&a.ctr[C_IDX], (unsigned)(a.Ni + 1));
+    if (faulted)
+        return;
+    double *qd = reinterpret_cast<double *>(dsm);
+    unsigned char *tiles = dsm + (size_t)a.Ni * kHD * sizeof(double);
+    const size_t stage = (size_t)M3_PAGE * idx_row_bytes();
+    IdxGen g{0, -1, 0, 0, 0, 0, 0u, 0, nullptr};
+    if (threadIdx.x == 0)
+        idx_put(ctl.mem, idx_next(a, w, g));
+    __syncthreads();
+    IdxPage cur = idx_get(ctl.mem);
+    idx_issue(a, cur, tiles);
+    cp_async_commit();
+    idx_fill(a, w); /* while the first page loads */
+    int q_row = -1;
+    for (int i = 0; cur.t >= 0; i++) {
+        int *nslot = ctl.mem + 8 * ((i + 1) & 1);
+        if (threadIdx.x == 0)
+            idx_put(nslot, idx_next(a, w, g));
+        __syncthreads();
+        const IdxPage nxt = idx_get(nslot);
+        idx_issue(a, nxt, tiles + ((i + 1) & 1) * stage);
+        cp_async_commit();
+        if (cur.t != q_row) { /* the row's index query (the last tile is done with qd) */
+            const uint16_t *iq = a.proj + (size_t)cur.t * a.Ntot; /* iq heads at column 0 */
+            for (int e = threadIdx.x; e < a.Ni * kHD; e += kThreads)
+                qd[e] = (double)m3_bf(__ldcg(iq + e));
+            q_row = cur.t;
+        }
+        cp_async_wait<1>();
+        __syncthreads();
+        idx_tile(a, ctl, tiles + (i & 1) * stage, qd, cur.count, cur.b,
+                 a.scores + (int64_t)cur.t * a.Ni * a.mb);
+        __syncthreads();
+        cur = nxt;
+    }
+    cp_async_wait<0>();
+}
+
 } // namespace
 } // namespace m3mono
 
