@@ -146,7 +146,7 @@ struct MonoArgs {
     int pin;          /* M3_MONO_PIN: 0 every item from the queue; 1 norm2 of row t on
                        * CTA t and the routing plan on CTA 0; 2 also dry runs of both
                        * there first (world 1) */
-    int idx_claim;      /* M3_MONO_IDX_CLAIM: index pages claimed at run time (G items) */
+    int idx_claim;      /* index pages claimed at run time by G items (else G fixed slices a row) */
     int idx_run;        /* M3_MONO_IDX_RUN: pages per claim */
     uint16_t *dry_rows; /* pin 2: [kMaxT][3][H] scratch rows the dry norm2s read and write */
     float *dry_logits;  /* pin 2: [kMaxT][E] the dry plan's logits */
@@ -185,6 +185,9 @@ struct Ctl {
 /* ================================================================ shared memory sizes */
 
 constexpr int kIdxHeadsPerPass = 4;
+/* M3_MONO_IDX_CLAIM=-1: index pages claimed at run time from this many
+ * pages per fixed slice (measured: docs/PERF.md, seventeenth session) */
+constexpr int kIdxClaimMinPages = 8;
 
 /* route_and_plan's shared memory: the assignments' experts and their sorted
  * order (2 x kMaxAssign ints), then each warp's staged keys and sigmoids */
