@@ -356,13 +356,11 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * have run with it (gpu-check's multigpu stage runs them with
      * M3_MONO_PIN=1 too). */
     m->pin = env_int("M3_MONO_PIN", -1, 0, 2);
-    /* M3_MONO_IDX_CLAIM (-1 auto, 0 fixed slices, 1 claims; see
-     * m3_cuda_mono_layer): index-score items that claim runs of
+    /* M3_MONO_IDX_CLAIM (1 claims, the default; 0 fixed slices; see
+     * m3_cuda_mono_layer): index-score items that claim runs of at most
      * M3_MONO_IDX_RUN pages (default 4) at run time, so long contexts'
-     * pages balance over whichever CTAs are free (fixed slices there are
-     * few, long items, and those taken late end late: docs/PERF.md,
-     * sixteenth session) */
-    m->idx_claim = env_int("M3_MONO_IDX_CLAIM", -1, -1, 1);
+     * pages balance over whichever CTAs are free */
+    m->idx_claim = env_int("M3_MONO_IDX_CLAIM", 1, 0, 1);
     m->idx_run = env_int("M3_MONO_IDX_RUN", 4, 1, 1 << 20);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
@@ -707,31 +705,18 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.group = Nq / Nkv;
     a.mtiles = m->mtiles;
     a.S = m->S;
-    /* index items. Fixed slices: G per row, row t's blocks j, j + G, ...
-     * Claims: up to one item per CTA, each taking runs of pages of any row
-     * at run time. A claim costs an atomic round trip and a CTA that finds
-     * nothing still waits for the index query, so claims lose where the
-     * slices are short (1 row at 4K-128K: +9-15%; 16 rows at 4K: +2%) and
-     * win where they are long and the late-taken ones end late (16 rows at
-     * 128K, 43 pages a slice: -10%; 4 rows at 128K, 11 pages: -5%; 16 rows
-     * at 32K, 11 pages: flat) (docs/PERF.md, seventeenth session).
-     * M3_MONO_IDX_CLAIM: -1 (default) claims from kIdxClaimMinPages pages a
-     * slice, 0 never, 1 always. */
-    int G = m->P / a.T;
-    G = G < 1 ? 1 : (G > a.mb ? a.mb : G);
-    const int slice_pages = (a.mb + G - 1) / G;
-    a.idx_claim = m->idx_claim < 0 ? slice_pages >= kIdxClaimMinPages : m->idx_claim;
-    if (a.idx_claim) {
-        /* a claim's pages: M3_MONO_IDX_RUN, fewer where the pages would not
-         * reach every CTA; no more items than claims */
-        const int64_t pages = (int64_t)a.T * a.mb;
-        const int64_t per_cta = (pages + m->P - 1) / m->P;
-        a.idx_run = per_cta < m->idx_run ? (int)(per_cta < 1 ? 1 : per_cta) : m->idx_run;
-        const int64_t claims = (pages + a.idx_run - 1) / a.idx_run;
-        G = claims < m->P ? (int)claims : m->P;
-        G = G < 1 ? 1 : G;
-    }
-    a.G = G;
+    /* index items. Fixed slices (M3_MONO_IDX_CLAIM=0): G per row, row t's
+     * blocks j, j + G, ...; at long contexts few, long items, and those
+     * taken late end late (docs/PERF.md, sixteenth session). Claims (the
+     * default): one item per CTA, no more than the pages, each taking runs
+     * of pages of any row at run time (the run length from the rows' real
+     * pages, on the device: under graphs a.mb is the context's capacity). */
+    a.idx_claim = m->idx_claim;
+    a.idx_run = m->idx_run;
+    const int64_t pages = a.idx_claim ? (int64_t)a.T * a.mb : a.mb; /* per item set */
+    const int64_t items = a.idx_claim ? m->P : m->P / a.T;
+    a.G = (int)(pages < items ? pages : items);
+    a.G = a.G < 1 ? 1 : a.G;
     a.rt_tiles = m->rt_tiles;
     a.Ntot = m->Ntot;
     a.off_ik = Ni * kHD;

@@ -147,7 +147,7 @@ struct MonoArgs {
                        * CTA t and the routing plan on CTA 0; 2 also dry runs of both
                        * there first (world 1) */
     int idx_claim;      /* index pages claimed at run time by G items (else G fixed slices a row) */
-    int idx_run;        /* M3_MONO_IDX_RUN: pages per claim */
+    int idx_run;        /* M3_MONO_IDX_RUN: at most this many pages per claim */
     uint16_t *dry_rows; /* pin 2: [kMaxT][3][H] scratch rows the dry norm2s read and write */
     float *dry_logits;  /* pin 2: [kMaxT][E] the dry plan's logits */
     int32_t *dry_plan;  /* pin 2: [6][kMaxAssign + 1] the dry plan's outputs */
@@ -185,9 +185,6 @@ struct Ctl {
 /* ================================================================ shared memory sizes */
 
 constexpr int kIdxHeadsPerPass = 4;
-/* M3_MONO_IDX_CLAIM=-1: index pages claimed at run time from this many
- * pages per fixed slice (measured: docs/PERF.md, seventeenth session) */
-constexpr int kIdxClaimMinPages = 8;
 
 /* route_and_plan's shared memory: the assignments' experts and their sorted
  * order (2 x kMaxAssign ints), then each warp's staged keys and sigmoids */

@@ -289,6 +289,7 @@ struct IdxGen { /* thread 0's page stream */
     int v;          /* rows visited */
     int t;          /* the current row, -1 none */
     int nb, nrun;   /* its blocks and runs */
+    int run;        /* pages per claim */
     int b, end;     /* the current run's next page and end */
     unsigned ahead; /* the row's claim after the current run */
     int64_t kv_len;
@@ -331,14 +332,16 @@ __device__ IdxPage idx_next(const MonoArgs &a, int w, IdxGen &g) {
         if (g.t >= 0) {
             const unsigned k = g.ahead; /* claimed a run ago (or at the row's start) */
             if (k < (unsigned)g.nrun) {
-                g.b = (int)k * a.idx_run;
-                g.end = min(g.b + a.idx_run, g.nb);
+                g.b = (int)k * g.run;
+                g.end = min(g.b + g.run, g.nb);
                 g.ahead = atomicAdd(&runs[g.t], 1u); /* in flight during this run */
                 continue;
             }
             atomicOr(&runs[kMaxT], 1u << g.t); /* the row's runs are all taken */
             g.t = -1;
         }
+        if (g.v >= a.T)
+            return {-1, 0, 0, 0};
         /* skip the rows others found done (one load, instead of a claim
          * round trip per row at the end of the phase) */
         const unsigned done = *reinterpret_cast<volatile unsigned *>(&runs[kMaxT]);
@@ -352,7 +355,7 @@ __device__ IdxPage idx_next(const MonoArgs &a, int w, IdxGen &g) {
             continue; /* padded: nothing; bad: idx_fill's */
         g.t = t;
         g.nb = rv.nblocks;
-        g.nrun = (rv.nblocks + a.idx_run - 1) / a.idx_run;
+        g.nrun = (rv.nblocks + g.run - 1) / g.run;
         g.b = g.end = 0;
         g.kv_len = rv.kv_len;
         g.table = rv.table;
@@ -394,16 +397,30 @@ __device__ void idx_issue(const MonoArgs &a, const IdxPage &p, unsigned char *ds
  * items' registers) */
 __device__ __noinline__ void idx_claim_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm,
                                             int w, bool faulted) {
+    /* The run length from the rows' real pages (a.mb is the tables' width:
+     * under graphs the context's capacity), so a short context's pages
+     * still spread over every item; and the first claim before the wait
+     * for the index query: the step's rows and tables are inputs */
+    IdxGen g{0, -1, 0, 0, 0, 0, 0, 0u, 0, nullptr};
+    if (threadIdx.x < 32) {
+        int nb = 0;
+        if ((int)threadIdx.x < a.T) {
+            const RowView rv = load_row(a, (int)threadIdx.x);
+            nb = rv.state == ROW_OK ? rv.nblocks : 0;
+        }
+        for (int o = 16; o > 0; o >>= 1)
+            nb += __shfl_xor_sync(0xffffffffu, nb, o);
+        if (threadIdx.x == 0) {
+            g.run = max(1, min(a.idx_run, (nb + a.G - 1) / a.G));
+            idx_put(ctl.mem, idx_next(a, w, g));
+        }
+    }
     wait_count(&a.ctr[C_IDX], (unsigned)(a.Ni + 1));
     if (faulted)
         return;
     double *qd = reinterpret_cast<double *>(dsm);
     unsigned char *tiles = dsm + (size_t)a.Ni * kHD * sizeof(double);
     const size_t stage = (size_t)M3_PAGE * idx_row_bytes();
-    IdxGen g{0, -1, 0, 0, 0, 0, 0u, 0, nullptr};
-    if (threadIdx.x == 0)
-        idx_put(ctl.mem, idx_next(a, w, g));
-    __syncthreads();
     IdxPage cur = idx_get(ctl.mem);
     idx_issue(a, cur, tiles);
     cp_async_commit();
