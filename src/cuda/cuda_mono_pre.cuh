@@ -279,9 +279,11 @@ __device__ void idx_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
  * projections first, end late (docs/PERF.md, sixteenth session). Here one
  * item per CTA claims runs of a.idx_run pages of one row from that row's
  * counter, starting at row (item mod T) and moving to the next row when a
- * row's runs are gone, so the pages go to whichever CTAs are free. The
- * run after the current one is claimed while it is scored, and the next
- * page is loaded while the current one is scored, across runs and rows.
+ * row's runs are gone, so the pages go to whichever CTAs are free. A run
+ * is a.idx_run pages at most, fewer where the rows' pages would not reach
+ * every item. The next run is claimed while the current run's last page
+ * is scored, and the next page is loaded while the current one is scored,
+ * across runs and rows.
  * The blocks no page covers (past a row's count, every block of a bad row)
  * are filled by all items together. */
 
@@ -321,6 +323,13 @@ __device__ IdxPage idx_next(const MonoArgs &a, int w, IdxGen &g) {
     for (;;) {
         if (g.t >= 0 && g.b < g.end) {
             const int b = g.b++;
+            /* the next run claimed as this run's last page is handed out:
+             * its round trip hides behind a page's scores, and a CTA holds
+             * no run it will not start for a while (claimed a whole run
+             * ahead, early CTAs took two runs to the late ones' none:
+             * docs/PERF.md, seventeenth session) */
+            if (g.b == g.end)
+                g.ahead = atomicAdd(&runs[g.t], 1u);
             const int64_t page = g.table[b];
             int count = (int)min((int64_t)M3_PAGE, g.kv_len - (int64_t)b * M3_PAGE);
             if (!page_ok(a, page)) {
@@ -330,11 +339,10 @@ __device__ IdxPage idx_next(const MonoArgs &a, int w, IdxGen &g) {
             return {g.t, b, count, page};
         }
         if (g.t >= 0) {
-            const unsigned k = g.ahead; /* claimed a run ago (or at the row's start) */
+            const unsigned k = g.ahead; /* claimed at the last run's last page (or the row's start) */
             if (k < (unsigned)g.nrun) {
                 g.b = (int)k * g.run;
                 g.end = min(g.b + g.run, g.nb);
-                g.ahead = atomicAdd(&runs[g.t], 1u); /* in flight during this run */
                 continue;
             }
             atomicOr(&runs[kMaxT], 1u << g.t); /* the row's runs are all taken */
