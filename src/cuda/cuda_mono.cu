@@ -161,7 +161,7 @@ struct m3_cuda_mono {
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
     /* tuning knobs (see m3_cuda_mono_create) */
-    int spin_ns, poll_acquire, shdn_early, edn_sub, pin, idx_claim, idx_run;
+    int spin_ns, poll_acquire, shdn_early, edn_sub, pin, idx_claim, idx_run, idx_min_pages;
     uint16_t *dry_rows; /* M3_MONO_PIN=2 scratch (see MonoArgs) */
     float *dry_logits;
     int32_t *dry_plan;
@@ -356,11 +356,13 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * have run with it (gpu-check's multigpu stage runs them with
      * M3_MONO_PIN=1 too). */
     m->pin = env_int("M3_MONO_PIN", -1, 0, 2);
-    /* M3_MONO_IDX_CLAIM (1 claims, the default; 0 fixed slices; see
-     * m3_cuda_mono_layer): index-score items that claim runs of at most
-     * M3_MONO_IDX_RUN pages (default 4) at run time, so long contexts'
-     * pages balance over whichever CTAs are free */
-    m->idx_claim = env_int("M3_MONO_IDX_CLAIM", 1, 0, 1);
+    /* M3_MONO_IDX_CLAIM (-1 per step, the default; 0 fixed slices; 1
+     * claims; see m3_cuda_mono_layer): index-score items that claim runs of
+     * at most M3_MONO_IDX_RUN pages (default 4) at run time, so long
+     * contexts' pages balance over whichever CTAs are free */
+    m->idx_claim = env_int("M3_MONO_IDX_CLAIM", -1, -1, 1);
+    /* (the tests set it low to have the items choose claims on the device) */
+    m->idx_min_pages = env_int("M3_MONO_IDX_MIN_PAGES", kIdxClaimMinPages, 1, 1 << 20);
     m->idx_run = env_int("M3_MONO_IDX_RUN", 4, 1, 1 << 20);
     /* K splits by the stock linear op's rule before its chunk groups
      * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
@@ -705,18 +707,27 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.group = Nq / Nkv;
     a.mtiles = m->mtiles;
     a.S = m->S;
-    /* index items. Fixed slices (M3_MONO_IDX_CLAIM=0): G per row, row t's
-     * blocks j, j + G, ...; at long contexts few, long items, and those
-     * taken late end late (docs/PERF.md, sixteenth session). Claims (the
-     * default): one item per CTA, no more than the pages, each taking runs
-     * of pages of any row at run time (the run length from the rows' real
-     * pages, on the device: under graphs a.mb is the context's capacity). */
-    a.idx_claim = m->idx_claim;
+    /* index items. Fixed slices: G per row, row t's blocks j, j + G, ...;
+     * at long contexts few, long items, and those taken late end late
+     * (docs/PERF.md, sixteenth session). Claims: Gc items, one per CTA at
+     * most, each taking runs of pages of any row at run time; a claim costs
+     * atomics and round trips, so where slices are short (one row: 3 pages
+     * at 128K) fixed slices are faster. M3_MONO_IDX_CLAIM: -1 (default)
+     * chooses per step from idx_min_pages pages a slice: here where the
+     * tables' width settles it, else on the device from the rows' real
+     * pages (under graphs a.mb is the context's capacity); 0 fixed, 1
+     * claims. */
+    int G = m->P / a.T;
+    a.G = G < 1 ? 1 : (G > a.mb ? a.mb : G);
+    const int64_t pages_cap = (int64_t)a.T * a.mb;
+    a.Gc = (int)(pages_cap < m->P ? pages_cap : m->P);
+    a.Gc = a.Gc < 1 ? 1 : a.Gc;
     a.idx_run = m->idx_run;
-    const int64_t pages = a.idx_claim ? (int64_t)a.T * a.mb : a.mb; /* per item set */
-    const int64_t items = a.idx_claim ? m->P : m->P / a.T;
-    a.G = (int)(pages < items ? pages : items);
-    a.G = a.G < 1 ? 1 : a.G;
+    a.idx_min_pages = m->idx_min_pages;
+    if (m->idx_claim >= 0)
+        a.idx_claim = m->idx_claim;
+    else
+        a.idx_claim = (a.mb + a.G - 1) / a.G < a.idx_min_pages ? 0 : 2;
     a.rt_tiles = m->rt_tiles;
     a.Ntot = m->Ntot;
     a.off_ik = Ni * kHD;

@@ -146,8 +146,11 @@ struct MonoArgs {
     int pin;          /* M3_MONO_PIN: 0 every item from the queue; 1 norm2 of row t on
                        * CTA t and the routing plan on CTA 0; 2 also dry runs of both
                        * there first (world 1) */
-    int idx_claim;      /* index pages claimed at run time by G items (else G fixed slices a row) */
+    int idx_claim;      /* index items: 0 G fixed slices a row; 1 Gc items claiming pages
+                         * at run time; 2 the items choose from the rows' real pages */
     int idx_run;        /* M3_MONO_IDX_RUN: at most this many pages per claim */
+    int Gc;             /* claiming index items */
+    int idx_min_pages;  /* idx_claim 2: claims from this many pages a fixed slice */
     uint16_t *dry_rows; /* pin 2: [kMaxT][3][H] scratch rows the dry norm2s read and write */
     float *dry_logits;  /* pin 2: [kMaxT][E] the dry plan's logits */
     int32_t *dry_plan;  /* pin 2: [6][kMaxAssign + 1] the dry plan's outputs */
@@ -185,6 +188,10 @@ struct Ctl {
 /* ================================================================ shared memory sizes */
 
 constexpr int kIdxHeadsPerPass = 4;
+/* index pages claimed at run time (idx_claim 2) where a fixed slice of
+ * the longest row would have this many pages or more (measured:
+ * docs/PERF.md, seventeenth session); M3_MONO_IDX_MIN_PAGES overrides */
+constexpr int kIdxClaimMinPages = 8;
 
 /* route_and_plan's shared memory: the assignments' experts and their sorted
  * order (2 x kMaxAssign ints), then each warp's staged keys and sigmoids */

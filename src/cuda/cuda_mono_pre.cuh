@@ -375,7 +375,7 @@ __device__ IdxPage idx_next(const MonoArgs &a, int w, IdxGen &g) {
  * blocks, NaN (and the fault) for every block of a bad row. */
 __device__ void idx_fill(const MonoArgs &a, int w) {
     const int64_t per_row = (int64_t)a.Ni * a.mb, n = (int64_t)a.T * per_row;
-    for (int64_t k = (int64_t)w * kThreads + threadIdx.x; k < n; k += (int64_t)a.G * kThreads) {
+    for (int64_t k = (int64_t)w * kThreads + threadIdx.x; k < n; k += (int64_t)a.Gc * kThreads) {
         const int t = (int)(k / per_row);
         const int b = (int)((k - t * per_row) % a.mb);
         const RowView rv = load_row(a, t);
@@ -404,24 +404,14 @@ __device__ void idx_issue(const MonoArgs &a, const IdxPage &p, unsigned char *ds
 /* (not inlined: its page stream's state stays out of the projection
  * items' registers) */
 __device__ __noinline__ void idx_claim_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm,
-                                            int w, bool faulted) {
-    /* The run length from the rows' real pages (a.mb is the tables' width:
-     * under graphs the context's capacity), so a short context's pages
-     * still spread over every item; and the first claim before the wait
-     * for the index query: the step's rows and tables are inputs */
+                                            int w, bool faulted, int pages) {
+    /* the run length from the rows' real pages, so a short context's
+     * pages still spread over every item; the first claim before the wait
+     * for the index query (the step's rows and tables are inputs) */
     IdxGen g{0, -1, 0, 0, 0, 0, 0, 0u, 0, nullptr};
-    if (threadIdx.x < 32) {
-        int nb = 0;
-        if ((int)threadIdx.x < a.T) {
-            const RowView rv = load_row(a, (int)threadIdx.x);
-            nb = rv.state == ROW_OK ? rv.nblocks : 0;
-        }
-        for (int o = 16; o > 0; o >>= 1)
-            nb += __shfl_xor_sync(0xffffffffu, nb, o);
-        if (threadIdx.x == 0) {
-            g.run = max(1, min(a.idx_run, (nb + a.G - 1) / a.G));
-            idx_put(ctl.mem, idx_next(a, w, g));
-        }
+    if (threadIdx.x == 0) {
+        g.run = max(1, min(a.idx_run, (pages + a.Gc - 1) / a.Gc));
+        idx_put(ctl.mem, idx_next(a, w, g));
     }
     wait_count(&a.ctr[C_IDX], (unsigned)(a.Ni + 1));
     if (faulted)
@@ -456,6 +446,40 @@ __device__ __noinline__ void idx_claim_item(const MonoArgs &a, Ctl &ctl, unsigne
         cur = nxt;
     }
     cp_async_wait<0>();
+}
+
+/* Index item i of the launch in the mode a.idx_claim names; mode 2 sums the
+ * rows' real pages (a claim's run length) and takes their longest (whether
+ * claims pay), which every item computes alike, so all choose one mode. */
+__device__ void idx_any_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i,
+                             bool faulted) {
+    if (a.idx_claim == 0) {
+        idx_item(a, ctl, dsm, i, faulted);
+        return;
+    }
+    if (threadIdx.x < 32) {
+        int nb = 0;
+        if ((int)threadIdx.x < a.T) {
+            const RowView rv = load_row(a, (int)threadIdx.x);
+            nb = rv.state == ROW_OK ? rv.nblocks : 0;
+        }
+        int sum = nb, longest = nb;
+        for (int o = 16; o > 0; o >>= 1) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, o));
+        }
+        if (threadIdx.x == 0)
+            ctl.s_count[0] = sum, ctl.s_count[1] = longest;
+    }
+    __syncthreads();
+    const int pages = ctl.s_count[0], longest = ctl.s_count[1];
+    __syncthreads(); /* idx_item rewrites s_count */
+    if (a.idx_claim == 1 || (longest + a.G - 1) / a.G >= a.idx_min_pages) {
+        if (i < a.Gc)
+            idx_claim_item(a, ctl, dsm, i, faulted, pages);
+    } else if (i < a.T * a.G) {
+        idx_item(a, ctl, dsm, i, faulted);
+    }
 }
 
 } // namespace
