@@ -724,7 +724,9 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     a.Gc = a.Gc < 1 ? 1 : a.Gc;
     a.idx_run = m->idx_run;
     a.idx_min_pages = m->idx_min_pages;
-    if (m->idx_claim >= 0)
+    if (a.T < kIdxClaimMinRows)
+        a.idx_claim = 0; /* (their kernels hold fixed slices only) */
+    else if (m->idx_claim >= 0)
         a.idx_claim = m->idx_claim;
     else
         a.idx_claim = (a.mb + a.G - 1) / a.G < a.idx_min_pages ? 0 : 2;

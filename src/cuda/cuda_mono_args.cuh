@@ -192,6 +192,11 @@ constexpr int kIdxHeadsPerPass = 4;
  * the longest row would have this many pages or more (measured:
  * docs/PERF.md, seventeenth session); M3_MONO_IDX_MIN_PAGES overrides */
 constexpr int kIdxClaimMinPages = 8;
+/* ... and only in the kernels for this many rows or more: at 1-2 rows a
+ * slice reaches 8 pages only past 400K (200K) tokens, and the claims'
+ * code alone, never run, cost the 1- and 2-row kernels 3-4% (register
+ * spills: docs/PERF.md, seventeenth session) */
+constexpr int kIdxClaimMinRows = 3;
 
 /* route_and_plan's shared memory: the assignments' experts and their sorted
  * order (2 x kMaxAssign ints), then each warp's staged keys and sigmoids */

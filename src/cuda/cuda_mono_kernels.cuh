@@ -116,9 +116,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
     knobs_init(a);
-    const int n_norm = a.T, n_proj = a.p_item0[5], n_idx = a.idx_claim == 0   ? a.T * a.G
-                                                    : a.idx_claim == 1 ? a.Gc
-                                                                       : max(a.T * a.G, a.Gc);
+    const int n_norm = a.T, n_proj = a.p_item0[5], n_idx = idx_items<NR>(a);
     const int total = n_norm + n_proj + n_idx;
     if (threadIdx.x == 0)
         ctl.cur = (int)atomicAdd(&a.ctr[C_QUEUE], 1u);
@@ -137,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         else if ((cur -= n_norm) < n_proj)
             kind = 1, proj_item<NR, V>(a, ctl, dsm, cur, faulted);
         else
-            kind = 2, idx_any_item(a, ctl, dsm, cur - n_proj, faulted);
+            kind = 2, idx_item_of<NR>(a, ctl, dsm, cur - n_proj, faulted);
         trace_item(a, 0, kind, item, t0);
         if (threadIdx.x == 0)
             ctl.cur = (int)nxt;

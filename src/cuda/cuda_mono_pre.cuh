@@ -482,6 +482,27 @@ __device__ void idx_any_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, in
     }
 }
 
+/* The pre kernel's index items: the kernels for fewer than
+ * kIdxClaimMinRows rows hold fixed slices only (the host sets idx_claim 0
+ * for them) */
+template <int NR> __device__ __forceinline__ int idx_items(const MonoArgs &a) {
+    if constexpr (NR < kIdxClaimMinRows)
+        return a.T * a.G;
+    else
+        return a.idx_claim == 0   ? a.T * a.G
+               : a.idx_claim == 1 ? a.Gc
+                                  : max(a.T * a.G, a.Gc);
+}
+
+template <int NR>
+__device__ __forceinline__ void idx_item_of(const MonoArgs &a, Ctl &ctl, unsigned char *dsm,
+                                            int i, bool faulted) {
+    if constexpr (NR < kIdxClaimMinRows)
+        idx_item(a, ctl, dsm, i, faulted);
+    else
+        idx_any_item(a, ctl, dsm, i, faulted);
+}
+
 } // namespace
 } // namespace m3mono
 
