@@ -274,17 +274,17 @@ __device__ void idx_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
 }
 
 /* ---------------------------------------------------------------- index scores, claimed
- * (M3_MONO_IDX_CLAIM=1) A fixed slice of a row per item makes few, long
- * items at long contexts, and the ones taken late, by CTAs that ran
- * projections first, end late (docs/PERF.md, sixteenth session). Here one
- * item per CTA claims runs of a.idx_run pages of one row from that row's
- * counter, starting at row (item mod T) and moving to the next row when a
- * row's runs are gone, so the pages go to whichever CTAs are free. A run
- * is a.idx_run pages at most, fewer where the rows' pages would not reach
- * every item. The next run is claimed while the current run's last page
- * is scored, and the next page is loaded while the current one is scored,
- * across runs and rows.
- * The blocks no page covers (past a row's count, every block of a bad row)
+ * (idx_claim 1, or 2 at long contexts) A fixed slice of a row per item
+ * makes few, long items at long contexts, and the ones taken late, by
+ * CTAs that ran projections first, end late (docs/PERF.md, sixteenth
+ * session). Here each of a.Gc items (one per CTA at most) claims runs of
+ * pages of one row from that row's counter, starting at row (item mod T)
+ * and moving to the next row when a row's runs are gone, so the pages go
+ * to whichever CTAs are free. A run is a.idx_run pages at most, fewer
+ * where the rows' pages would not reach every item. The next run is
+ * claimed while the current run's last page is scored, and the next page
+ * is loaded while the current one is scored, across runs and rows. The
+ * blocks no page covers (past a row's count, every block of a bad row)
  * are filled by all items together. */
 
 struct IdxGen { /* thread 0's page stream */
