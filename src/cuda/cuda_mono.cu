@@ -357,10 +357,11 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * M3_MONO_PIN=1 too). */
     m->pin = env_int("M3_MONO_PIN", -1, 0, 2);
     /* M3_MONO_IDX_CLAIM (-1 per step, the default; 0 fixed slices; 1
-     * claims; see m3_cuda_mono_layer): index-score items that claim runs of
-     * at most M3_MONO_IDX_RUN pages (default 4) at run time, so long
+     * claims; 2 the items choose on the device at every step, a test
+     * setting; see m3_cuda_mono_layer): index-score items that claim runs
+     * of at most M3_MONO_IDX_RUN pages (default 4) at run time, so long
      * contexts' pages balance over whichever CTAs are free */
-    m->idx_claim = env_int("M3_MONO_IDX_CLAIM", -1, -1, 1);
+    m->idx_claim = env_int("M3_MONO_IDX_CLAIM", -1, -1, 2);
     /* (the tests set it low to have the items choose claims on the device) */
     m->idx_min_pages = env_int("M3_MONO_IDX_MIN_PAGES", kIdxClaimMinPages, 1, 1 << 20);
     m->idx_run = env_int("M3_MONO_IDX_RUN", 4, 1, 1 << 20);
