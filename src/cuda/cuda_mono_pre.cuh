@@ -186,6 +186,18 @@ __device__ void idx_pass(const MonoArgs &a, Ctl &ctl, const unsigned char *tile,
     __syncthreads();
 }
 
+/* count keys of index cache page `page` into a staged tile at dst (row
+ * stride idx_row_bytes()), cp.async, every thread its share */
+__device__ __forceinline__ void idx_copy_page(const MonoArgs &a, int64_t page, int count,
+                                              unsigned char *dst) {
+    const unsigned char *src = reinterpret_cast<const unsigned char *>(a.ic + page * M3_PAGE * kHD);
+    const int cpr = kHD / 8, rb = idx_row_bytes();
+    for (int c = threadIdx.x; c < count * cpr; c += kThreads) {
+        int r = c / cpr, k = c - r * cpr;
+        cp_async16(dst + r * rb + k * 16, src + ((int64_t)r * kHD + k * 8) * 2, true);
+    }
+}
+
 __device__ void idx_load(const MonoArgs &a, const RowView &rv, int t, int b, unsigned char *dst,
                          int *s_count) {
     int64_t first = (int64_t)b * M3_PAGE;
@@ -197,14 +209,8 @@ __device__ void idx_load(const MonoArgs &a, const RowView &rv, int t, int b, uns
         if (!ok)
             fault_set(a.fault, M3_MONO_FAULT_PAGE, a.layer, t, page);
     }
-    if (!ok)
-        return;
-    const unsigned char *src = reinterpret_cast<const unsigned char *>(a.ic + page * M3_PAGE * kHD);
-    const int cpr = kHD / 8, rb = idx_row_bytes();
-    for (int c = threadIdx.x; c < count * cpr; c += kThreads) {
-        int r = c / cpr, k = c - r * cpr;
-        cp_async16(dst + r * rb + k * 16, src + ((int64_t)r * kHD + k * 8) * 2, true);
-    }
+    if (ok)
+        idx_copy_page(a, page, count, dst);
 }
 
 __device__ void idx_tile(const MonoArgs &a, Ctl &ctl, const unsigned char *tile,
@@ -390,15 +396,8 @@ __device__ void idx_fill(const MonoArgs &a, int w) {
 }
 
 __device__ void idx_issue(const MonoArgs &a, const IdxPage &p, unsigned char *dst) {
-    if (p.t < 0 || p.count <= 0)
-        return;
-    const unsigned char *src =
-        reinterpret_cast<const unsigned char *>(a.ic + p.page * M3_PAGE * kHD);
-    const int cpr = kHD / 8, rb = idx_row_bytes();
-    for (int c = threadIdx.x; c < p.count * cpr; c += kThreads) {
-        int r = c / cpr, k = c - r * cpr;
-        cp_async16(dst + r * rb + k * 16, src + ((int64_t)r * kHD + k * 8) * 2, true);
-    }
+    if (p.t >= 0 && p.count > 0)
+        idx_copy_page(a, p.page, p.count, dst);
 }
 
 /* (not inlined: its page stream's state stays out of the projection
