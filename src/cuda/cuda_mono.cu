@@ -169,12 +169,6 @@ struct m3_cuda_mono {
 
 #define MONO_FAIL(st, ...) m3_fail((st), "mono: " __VA_ARGS__)
 
-/* The K splits the stock GEMV uses for an [N, K] weight (cuda_linear.cu
- * k_splits: CTAs of cta_rows output rows, about two CTAs per SM), so every
- * dense product here sums in the stock path's order and gives its bits
- * (the projections, hence the cache entries and the index scores, equal the
- * stock path's; selections too). Depends on shapes and the SM count only,
- * never on the step's rows. */
 /* An integer knob from the environment, `fallback` when unset or outside
  * [lo, hi]. */
 static int env_int(const char *name, int fallback, int lo, int hi) {
@@ -186,6 +180,12 @@ static int env_int(const char *name, int fallback, int lo, int hi) {
     return *end == '\0' && x >= lo && x <= hi ? (int)x : fallback;
 }
 
+/* The K splits the stock GEMV uses for an [N, K] weight (cuda_linear.cu
+ * k_splits: CTAs of cta_rows output rows, about two CTAs per SM), so every
+ * dense product here sums in the stock path's order and gives its bits
+ * (the projections, hence the cache entries and the index scores, equal the
+ * stock path's; selections too). Depends on shapes and the SM count only,
+ * never on the step's rows. */
 static int stock_splits(int sm_count, int64_t N, int64_t K, int cta_rows) {
     int64_t n_tiles = (N + cta_rows - 1) / cta_rows;
     int64_t chunks = (K + kKC - 1) / kKC;
@@ -246,53 +246,19 @@ static m3_status check_config(const m3_config *c, int max_blocks, int rank, int 
     return M3_OK;
 }
 
-/* the smallest resident CTA count of every kernel instance */
 static size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
-extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, int max_blocks,
-                                         int tp_rank, int tp_size, m3_cuda_mono **out) {
-    *out = NULL;
-    if (!be || !cfg)
-        return MONO_FAIL(M3_ERR_INVALID_ARG, "backend and config are required");
-    if (!be->ops || !be->ops->name || strcmp(be->ops->name, "cuda"))
-        return MONO_FAIL(M3_ERR_UNSUPPORTED, "the CUDA executor needs the CUDA backend, not %s",
-                         be->ops && be->ops->name ? be->ops->name : "?");
-    M3_TRY(check_config(cfg, max_blocks, tp_rank, tp_size));
-    m3_cuda *cu = m3_cuda_of(be);
-    m3_cuda_mono *m = (m3_cuda_mono *)calloc(1, sizeof *m);
-    if (!m)
-        return MONO_FAIL(M3_ERR_NO_MEMORY, "out of memory");
-    m->be = be;
-    m->cu = cu;
-    m->cfg = *cfg;
-    m->max_blocks = max_blocks;
-    m->rank = tp_rank;
-    m->world = tp_size;
-    const int H = cfg->hidden_size, Nq = cfg->num_q_heads, Nkv = cfg->num_kv_heads;
-    const int Ni = cfg->index_heads, E = cfg->num_experts, K = cfg->experts_per_tok;
-    const int I = cfg->expert_dim, Is = cfg->shared_dim, R = kMaxT;
-    cudaError_t err = cudaSetDevice(cu->device); /* allocations below land on the backend's GPU */
-    if (err != cudaSuccess) {
-        free(m);
-        return m3_cuda_error(err, "cudaSetDevice", __FILE__, __LINE__);
-    }
-    m->Ntot = (Ni + 1 + 2 * Nkv + Nq) * kHD;
-    m->nheads = m->Ntot / kHD;
-    m->mtiles = (Nq / Nkv + kHeadTile - 1) / kHeadTile;
-    m->S = cfg->topk_blocks; /* one selected block per split */
-    m->rt_tiles = (E + kTile - 1) / kTile;
-    int half = cfg->rotary_dim / 2;
-    for (int i = 0; i < kMaxHalf; i++) /* the CPU's m3_rope_table expression */
-        m->inv_freq[i] =
-            i < half ? pow(cfg->rope_theta, -(double)(2 * i) / (double)cfg->rotary_dim) : 0.0;
-
-    /* shared memory: the largest phase (attention stages, index tiles, a
-     * GEMV's staged rows, the selection), and the norms' rows (residual,
-     * addend, weight) and the routing plan (its sort, then 2 x E staged
-     * floats per warp), which always fit: the kernels have no second path
-     * for them (norm_row, route_and_plan). The head epilogue's 4 KiB and
-     * the attention merge's partials (at most 33 KiB) fit too (static
-     * assert). */
+/* Shared memory per CTA and CTAs per launch. The largest phase sets the
+ * size (attention stages, index tiles, a GEMV's staged rows, the
+ * selection), with the norms' rows (residual, addend, weight) and the
+ * routing plan (its sort, then 2 x E staged floats per warp), which must
+ * always fit: the kernels have no second path for them (norm_row,
+ * route_and_plan). The head epilogue's 4 KiB and the attention merge's
+ * partials (at most 33 KiB) fit too (static assert). P is every SM times
+ * the smallest resident CTA count of every kernel instance. */
+static m3_status size_launch(m3_cuda_mono *m) {
+    const m3_config *c = &m->cfg;
+    const int H = c->hidden_size, Ni = c->index_heads, E = c->num_experts;
     const size_t sel_min = (sizeof(SelShared) + 15) / 16 * 16;
     const size_t need[] = {(size_t)kAttnSmem,
                            idx_smem(Ni),
@@ -304,34 +270,34 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     for (size_t i = 0; i < sizeof need / sizeof *need; i++)
         smem = smem > need[i] ? smem : need[i];
     const size_t smem_max = 227 * 1024;
-    if (smem > smem_max) {
-        free(m);
+    if (smem > smem_max)
         return MONO_FAIL(M3_ERR_UNSUPPORTED,
                          "%d index heads, hidden size %d and %d experts need %zu bytes of "
                          "shared memory per CTA (at most %zu)",
                          Ni, H, E, smem, smem_max);
-    }
     m->smem = smem;
-    m->sel_staged = sel_min + (size_t)max_blocks * 4 <= smem;
+    m->sel_staged = sel_min + (size_t)m->max_blocks * 4 <= smem;
     int occ = INT_MAX;
-    m3_status st = occupancy(smem, &occ);
-    if (!st && occ < 1)
-        st = MONO_FAIL(M3_ERR_UNSUPPORTED,
-                       "the fused kernels do not fit on an SM (%zu bytes of shared memory, %d "
-                       "threads)",
-                       smem, kThreads);
-    if (st) {
-        free(m);
-        return st;
-    }
-    m->P = (cu->sm_count > 0 ? cu->sm_count : 1) * occ;
-    /* performance experiments: M3_MONO_CTAS caps the CTAs per launch (any
-     * count is correct: every dependency points to an earlier item) */
+    M3_TRY(occupancy(smem, &occ));
+    if (occ < 1)
+        return MONO_FAIL(M3_ERR_UNSUPPORTED,
+                         "the fused kernels do not fit on an SM (%zu bytes of shared memory, %d "
+                         "threads)",
+                         smem, kThreads);
+    m->P = (m->cu->sm_count > 0 ? m->cu->sm_count : 1) * occ;
+    return M3_OK;
+}
+
+/* The tuning knobs, read once (docs/PERF.md, "Tuning and diagnostics").
+ * None changes results beyond fp32 summation order; out-of-range values
+ * keep the defaults. */
+static void read_knobs(m3_cuda_mono *m) {
+    /* M3_MONO_CTAS caps the CTAs per launch (any count is correct: every
+     * dependency points to an earlier item) */
     m->P = env_int("M3_MONO_CTAS", m->P, 1, m->P);
     /* M3_MONO_SPIN_NS: a waiting CTA's sleep between polls of a counter;
-     * M3_MONO_POLL_ACQUIRE=1: every poll an acquire load. Neither changes
-     * results; out-of-range values keep the defaults (docs/PERF.md has the
-     * measurements, and those of the knobs measured and removed: the L2
+     * M3_MONO_POLL_ACQUIRE=1: every poll an acquire load (docs/PERF.md has
+     * the measurements, and those of the knobs measured and removed: the L2
      * weight prefetch and the staging loop). */
     m->spin_ns = env_int("M3_MONO_SPIN_NS", 64, 0, 1000000);
     m->poll_acquire = env_int("M3_MONO_POLL_ACQUIRE", 0, 0, 1);
@@ -358,16 +324,23 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     m->pin = env_int("M3_MONO_PIN", -1, 0, 2);
     /* M3_MONO_IDX_CLAIM (-1 per step, the default; 0 fixed slices; 1
      * claims; 2 the items choose on the device at every step, a test
-     * setting; see m3_cuda_mono_layer): index-score items that claim runs
-     * of at most M3_MONO_IDX_RUN pages (default 4) at run time, so long
+     * setting; see args_shapes): index-score items that claim runs of at
+     * most M3_MONO_IDX_RUN pages (default 4) at run time, so long
      * contexts' pages balance over whichever CTAs are free */
     m->idx_claim = env_int("M3_MONO_IDX_CLAIM", -1, -1, 2);
     /* (the tests set it low to have the items choose claims on the device) */
     m->idx_min_pages = env_int("M3_MONO_IDX_MIN_PAGES", kIdxClaimMinPages, 1, 1 << 20);
     m->idx_run = env_int("M3_MONO_IDX_RUN", 4, 1, 1 << 20);
-    /* K splits by the stock linear op's rule before its chunk groups
-     * (16-row CTAs; the router's fp32 kernel 8-row CTAs) */
-    const int sm = cu->sm_count;
+}
+
+/* K splits by the stock linear op's rule before its chunk groups (16-row
+ * CTAs; the router's fp32 kernel 8-row CTAs), and the first item of each
+ * projection in the pre kernel's virtual matrix (iq, ik, k, v, q) */
+static void plan_splits(m3_cuda_mono *m) {
+    const m3_config *c = &m->cfg;
+    const int H = c->hidden_size, Nq = c->num_q_heads, Nkv = c->num_kv_heads;
+    const int Ni = c->index_heads, E = c->num_experts, Is = c->shared_dim;
+    const int sm = m->cu->sm_count;
     const int64_t p_rows[5] = {(int64_t)Ni * kHD, kHD, (int64_t)Nkv * kHD, (int64_t)Nkv * kHD,
                                (int64_t)Nq * kHD};
     m->p_item0[0] = 0;
@@ -391,8 +364,13 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
      * K splits (any count is correct; fp32 sums in another order) */
     m->s_shgu = env_int("M3_MONO_SPLITS_SHGU", m->s_shgu, 1, 64);
     m->s_shdn = env_int("M3_MONO_SPLITS_SHDN", m->s_shdn, 1, 64);
+}
 
-    /* counters */
+/* the dependency counters' offsets in one array (MonoArgs o_*) */
+static void lay_counters(m3_cuda_mono *m) {
+    const m3_config *c = &m->cfg;
+    const int H = c->hidden_size, Ni = c->index_heads, Nkv = c->num_kv_heads;
+    const int Is = c->shared_dim, R = kMaxT;
     int at = C_FIXED;
     m->o_head = at, at += m->nheads;
     m->o_ptile = at, at += m->Ntot / kTile;
@@ -402,12 +380,19 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
     m->o_rtile = at, at += m->rt_tiles;
     m->o_shgu = at, at += Is ? Is / 4 : 1;
     m->o_shdn = at, at += H / kTile;
-    m->o_egu = at, at += R * K;
+    m->o_egu = at, at += R * c->experts_per_tok;
     m->o_comb = at, at += H / kTile;
     m->o_idxq = at, at += R + 1; /* and the rows whose runs are all taken */
     m->n_ctr = at;
+}
 
-    /* every buffer in one allocation, zeroed */
+/* every scratch buffer in one device allocation, zeroed (counters must
+ * start at zero); at world 1 the only peer is this rank */
+static m3_status alloc_scratch(m3_cuda_mono *m) {
+    const m3_config *c = &m->cfg;
+    const int H = c->hidden_size, Nq = c->num_q_heads, Ni = c->index_heads;
+    const int E = c->num_experts, K = c->experts_per_tok, I = c->expert_dim;
+    const int Is = c->shared_dim, R = kMaxT, world = m->world;
     const size_t part_tile = (size_t)kTile * kMaxT * 4;
     struct {
         void **ptr;
@@ -420,8 +405,8 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
         {(void **)&m->x2, (size_t)R * H * 2},
         {(void **)&m->act, (size_t)R * K * I * 2},
         {(void **)&m->sh_act, (size_t)R * (Is ? Is : 1) * 2},
-        {(void **)&m->scores, (size_t)R * Ni * max_blocks * 4},
-        {(void **)&m->sel, (size_t)R * Ni * cfg->topk_blocks * 4},
+        {(void **)&m->scores, (size_t)R * Ni * m->max_blocks * 4},
+        {(void **)&m->sel, (size_t)R * Ni * c->topk_blocks * 4},
         {(void **)&m->att_ml, (size_t)R * Nq * m->S * 8},
         {(void **)&m->att_acc, (size_t)R * Nq * m->S * kHD * 4},
         {(void **)&m->logits, (size_t)R * E * 4},
@@ -445,41 +430,71 @@ extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, i
         {(void **)&m->ctr, (size_t)m->n_ctr * 4},
         {(void **)&m->calls, 4},
         {(void **)&m->fault, 16},
-        {(void **)&m->peers_dev, (size_t)tp_size * sizeof(void *)},
-        {(void **)&m->landing, tp_size > 1 ? (size_t)2 * tp_size * R * H * 8 : 8},
+        {(void **)&m->peers_dev, (size_t)world * sizeof(void *)},
+        {(void **)&m->landing, world > 1 ? (size_t)2 * world * R * H * 8 : 8},
     };
     size_t total = 0;
     for (size_t i = 0; i < sizeof want / sizeof *want; i++)
         total += align256(want[i].bytes);
-    err = cudaMalloc(&m->block, total);
-    if (err != cudaSuccess) {
-        free(m);
-        return m3_cuda_error(err, "cudaMalloc(mono scratch)", __FILE__, __LINE__);
-    }
+    M3_CUDA_TRY(cudaMalloc(&m->block, total));
     m->block_bytes = total;
     char *p = (char *)m->block;
     for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
         *want[i].ptr = p;
         p += align256(want[i].bytes);
     }
-    m->landing_bytes = tp_size > 1 ? (size_t)2 * tp_size * R * H * 8 : 0;
-    err = cudaMemsetAsync(m->block, 0, total, cu->stream);
-    if (err == cudaSuccess)
-        err = cudaStreamSynchronize(cu->stream);
-    if (err != cudaSuccess) {
-        m3_status s = m3_cuda_error(err, "clearing the mono scratch", __FILE__, __LINE__);
-        m3_cuda_mono_free(m);
-        return s;
-    }
-    if (tp_size == 1) { /* the only peer is this rank */
+    m->landing_bytes = world > 1 ? (size_t)2 * world * R * H * 8 : 0;
+    M3_CUDA_TRY(cudaMemsetAsync(m->block, 0, total, m->cu->stream));
+    M3_CUDA_TRY(cudaStreamSynchronize(m->cu->stream));
+    if (world == 1) {
         void *self = m->landing;
-        err = cudaMemcpy(m->peers_dev, &self, sizeof self, cudaMemcpyHostToDevice);
-        if (err != cudaSuccess) {
-            m3_status s = m3_cuda_error(err, "cudaMemcpy(mono peers)", __FILE__, __LINE__);
-            m3_cuda_mono_free(m);
-            return s;
-        }
+        M3_CUDA_TRY(cudaMemcpy(m->peers_dev, &self, sizeof self, cudaMemcpyHostToDevice));
         m->peers_set = true;
+    }
+    return M3_OK;
+}
+
+extern "C" m3_status m3_cuda_mono_create(m3_backend *be, const m3_config *cfg, int max_blocks,
+                                         int tp_rank, int tp_size, m3_cuda_mono **out) {
+    *out = NULL;
+    if (!be || !cfg)
+        return MONO_FAIL(M3_ERR_INVALID_ARG, "backend and config are required");
+    if (!be->ops || !be->ops->name || strcmp(be->ops->name, "cuda"))
+        return MONO_FAIL(M3_ERR_UNSUPPORTED, "the CUDA executor needs the CUDA backend, not %s",
+                         be->ops && be->ops->name ? be->ops->name : "?");
+    M3_TRY(check_config(cfg, max_blocks, tp_rank, tp_size));
+    m3_cuda *cu = m3_cuda_of(be);
+    /* allocations below land on the backend's GPU */
+    M3_CUDA_TRY(cudaSetDevice(cu->device));
+    m3_cuda_mono *m = (m3_cuda_mono *)calloc(1, sizeof *m);
+    if (!m)
+        return MONO_FAIL(M3_ERR_NO_MEMORY, "out of memory");
+    m->be = be;
+    m->cu = cu;
+    m->cfg = *cfg;
+    m->max_blocks = max_blocks;
+    m->rank = tp_rank;
+    m->world = tp_size;
+    const int Nq = cfg->num_q_heads, Nkv = cfg->num_kv_heads;
+    m->Ntot = (cfg->index_heads + 1 + 2 * Nkv + Nq) * kHD;
+    m->nheads = m->Ntot / kHD;
+    m->mtiles = (Nq / Nkv + kHeadTile - 1) / kHeadTile;
+    m->S = cfg->topk_blocks; /* one selected block per split */
+    m->rt_tiles = (cfg->num_experts + kTile - 1) / kTile;
+    int half = cfg->rotary_dim / 2;
+    for (int i = 0; i < kMaxHalf; i++) /* the CPU's m3_rope_table expression */
+        m->inv_freq[i] =
+            i < half ? pow(cfg->rope_theta, -(double)(2 * i) / (double)cfg->rotary_dim) : 0.0;
+    m3_status st = size_launch(m);
+    if (!st) {
+        read_knobs(m);
+        plan_splits(m);
+        lay_counters(m);
+        st = alloc_scratch(m);
+    }
+    if (st) {
+        m3_cuda_mono_free(m);
+        return st;
     }
     *out = m;
     return M3_OK;
@@ -648,14 +663,15 @@ static m3_status norm_w(const m3_tensor *t, int64_t n, const char *what, const u
     return M3_OK;
 }
 
-extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int layer,
-                                        const m3_layer_weights *lw, const m3_cache_layer *cl,
-                                        bool first, uint32_t epoch, uint16_t *hidden,
-                                        uint16_t *residual) {
+/* what a layer call must be given: a sparse attention + MoE layer, rows and
+ * a block table within the executor's capacity, the step's metadata and the
+ * caches on the device, 16-byte aligned */
+static m3_status check_layer_call(const m3_cuda_mono *m, const m3_step *st, int layer,
+                                  const m3_layer_weights *lw, const m3_cache_layer *cl,
+                                  const uint16_t *hidden, const uint16_t *residual) {
     if (!m || !st || !lw || !cl || !hidden || !residual)
         return MONO_FAIL(M3_ERR_INVALID_ARG, "layer: executor, step, weights, cache and "
                                              "activations are required");
-    const m3_config *c = &m->cfg;
     if (!lw->sparse || !lw->moe)
         return MONO_FAIL(M3_ERR_UNSUPPORTED,
                          "layer %d has %s attention and a %s FFN; the fused kernels run only "
@@ -686,28 +702,32 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     if (m->world > 1 && !m->peers_set)
         return MONO_FAIL(M3_ERR_INVALID_ARG, "layer %d: TP world %d without peers (set_peers)",
                          layer, m->world);
+    return M3_OK;
+}
 
+/* the step's shapes, its index items' layout and the model's scalars */
+static void args_shapes(const m3_cuda_mono *m, const m3_step *st, int layer, bool first,
+                        MonoArgs *a) {
+    const m3_config *c = &m->cfg;
     const int H = c->hidden_size, Nq = c->num_q_heads, Nkv = c->num_kv_heads;
     const int Ni = c->index_heads, E = c->num_experts, I = c->expert_dim, Is = c->shared_dim;
-    MonoArgs a;
-    memset(&a, 0, sizeof a);
-    a.T = st->rows;
-    a.H = H;
-    a.Nq = Nq;
-    a.Nkv = Nkv;
-    a.Ni = Ni;
-    a.E = E;
-    a.K = c->experts_per_tok;
-    a.I = I;
-    a.Is = Is;
-    a.half = c->rotary_dim / 2;
-    a.topk = c->topk_blocks;
-    a.init = c->init_blocks;
-    a.local = c->local_blocks;
-    a.mb = st->max_blocks;
-    a.group = Nq / Nkv;
-    a.mtiles = m->mtiles;
-    a.S = m->S;
+    a->T = st->rows;
+    a->H = H;
+    a->Nq = Nq;
+    a->Nkv = Nkv;
+    a->Ni = Ni;
+    a->E = E;
+    a->K = c->experts_per_tok;
+    a->I = I;
+    a->Is = Is;
+    a->half = c->rotary_dim / 2;
+    a->topk = c->topk_blocks;
+    a->init = c->init_blocks;
+    a->local = c->local_blocks;
+    a->mb = st->max_blocks;
+    a->group = Nq / Nkv;
+    a->mtiles = m->mtiles;
+    a->S = m->S;
     /* index items. Fixed slices: G per row, row t's blocks j, j + G, ...;
      * at long contexts few, long items, and those taken late end late
      * (docs/PERF.md, sixteenth session). Claims: Gc items, one per CTA at
@@ -716,160 +736,186 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
      * at 128K) fixed slices are faster. M3_MONO_IDX_CLAIM: -1 (default)
      * chooses per step from idx_min_pages pages a slice: here where the
      * tables' width settles it, else on the device from the rows' real
-     * pages (under graphs a.mb is the context's capacity); 0 fixed, 1
+     * pages (under graphs a->mb is the context's capacity); 0 fixed, 1
      * claims. */
-    int G = m->P / a.T;
-    a.G = G < 1 ? 1 : (G > a.mb ? a.mb : G);
-    const int64_t pages_cap = (int64_t)a.T * a.mb;
-    a.Gc = (int)(pages_cap < m->P ? pages_cap : m->P);
-    a.Gc = a.Gc < 1 ? 1 : a.Gc;
-    a.idx_run = m->idx_run;
-    a.idx_min_pages = m->idx_min_pages;
-    if (a.T < kIdxClaimMinRows)
-        a.idx_claim = 0; /* (their kernels hold fixed slices only) */
+    int G = m->P / a->T;
+    a->G = G < 1 ? 1 : (G > a->mb ? a->mb : G);
+    const int64_t pages_cap = (int64_t)a->T * a->mb;
+    a->Gc = (int)(pages_cap < m->P ? pages_cap : m->P);
+    a->Gc = a->Gc < 1 ? 1 : a->Gc;
+    a->idx_run = m->idx_run;
+    a->idx_min_pages = m->idx_min_pages;
+    if (a->T < kIdxClaimMinRows)
+        a->idx_claim = 0; /* (their kernels hold fixed slices only) */
     else if (m->idx_claim >= 0)
-        a.idx_claim = m->idx_claim;
+        a->idx_claim = m->idx_claim;
     else
-        a.idx_claim = (a.mb + a.G - 1) / a.G < a.idx_min_pages ? 0 : 2;
-    a.rt_tiles = m->rt_tiles;
-    a.Ntot = m->Ntot;
-    a.off_ik = Ni * kHD;
-    a.off_k = a.off_ik + kHD;
-    a.off_v = a.off_k + Nkv * kHD;
-    a.off_q = a.off_v + Nkv * kHD;
-    a.layer = layer;
-    a.world = m->world;
-    a.rank = m->rank;
-    a.first = first;
-    a.sel_staged = m->sel_staged;
-    a.smem = (int)m->smem;
-    memcpy(a.s_p, m->s_p, sizeof a.s_p);
-    memcpy(a.p_item0, m->p_item0, sizeof a.p_item0);
-    a.s_pmax = m->s_pmax;
-    a.s_o = m->s_o;
-    a.s_rt = m->s_rt;
-    a.s_shgu = m->s_shgu;
-    a.s_shdn = m->s_shdn;
-    a.n_pages = st->n_pages;
-    a.eps = c->rms_norm_eps;
-    a.scaling = c->routed_scaling_factor;
-    a.alpha = c->swiglu_alpha;
-    a.limit = c->swiglu_limit;
+        a->idx_claim = (a->mb + a->G - 1) / a->G < a->idx_min_pages ? 0 : 2;
+    a->rt_tiles = m->rt_tiles;
+    a->Ntot = m->Ntot;
+    a->off_ik = Ni * kHD;
+    a->off_k = a->off_ik + kHD;
+    a->off_v = a->off_k + Nkv * kHD;
+    a->off_q = a->off_v + Nkv * kHD;
+    a->layer = layer;
+    a->world = m->world;
+    a->rank = m->rank;
+    a->first = first;
+    a->sel_staged = m->sel_staged;
+    a->smem = (int)m->smem;
+    memcpy(a->s_p, m->s_p, sizeof a->s_p);
+    memcpy(a->p_item0, m->p_item0, sizeof a->p_item0);
+    a->s_pmax = m->s_pmax;
+    a->s_o = m->s_o;
+    a->s_rt = m->s_rt;
+    a->s_shgu = m->s_shgu;
+    a->s_shdn = m->s_shdn;
+    a->n_pages = st->n_pages;
+    a->eps = c->rms_norm_eps;
+    a->scaling = c->routed_scaling_factor;
+    a->alpha = c->swiglu_alpha;
+    a->limit = c->swiglu_limit;
     /* as the stock path forms them: the attention scale rounded to fp32,
      * then times log2(e) (cuda_attention.cu); the index scale in one go
      * (forward.c) */
     const float attn_scale = (float)(1.0 / sqrt((double)kHD));
-    a.attn_scale_log2 = (float)((double)attn_scale * 1.4426950408889634);
-    a.idx_scale = m3_index_scale(kHD);
-    /* the landing tags come from a device-side count of calls (see
-     * mono_post_kernel), so a graph replay does not reuse the tags it was
-     * captured with; the epoch is not needed for them */
-    (void)epoch;
+    a->attn_scale_log2 = (float)((double)attn_scale * 1.4426950408889634);
+    a->idx_scale = m3_index_scale(kHD);
+}
 
-    M3_TRY(wmat_of(&lw->iq_proj, (int64_t)Ni * kHD, H, "index_q_proj", &a.wiq));
-    M3_TRY(wmat_of(&lw->ik_proj, kHD, H, "index_k_proj", &a.wik));
-    M3_TRY(wmat_of(&lw->k_proj, (int64_t)Nkv * kHD, H, "k_proj", &a.wk));
-    M3_TRY(wmat_of(&lw->v_proj, (int64_t)Nkv * kHD, H, "v_proj", &a.wv));
-    M3_TRY(wmat_of(&lw->q_proj, (int64_t)Nq * kHD, H, "q_proj", &a.wq));
-    M3_TRY(wmat_of(&lw->o_proj, H, (int64_t)Nq * kHD, "o_proj", &a.wo));
+/* zero-copy views of the layer's weights, each checked for shape, dtype and
+ * alignment */
+static m3_status args_weights(const m3_cuda_mono *m, const m3_layer_weights *lw, int layer,
+                              MonoArgs *a) {
+    const m3_config *c = &m->cfg;
+    const int H = c->hidden_size, Nq = c->num_q_heads, Nkv = c->num_kv_heads;
+    const int Ni = c->index_heads, E = c->num_experts, I = c->expert_dim, Is = c->shared_dim;
+    M3_TRY(wmat_of(&lw->iq_proj, (int64_t)Ni * kHD, H, "index_q_proj", &a->wiq));
+    M3_TRY(wmat_of(&lw->ik_proj, kHD, H, "index_k_proj", &a->wik));
+    M3_TRY(wmat_of(&lw->k_proj, (int64_t)Nkv * kHD, H, "k_proj", &a->wk));
+    M3_TRY(wmat_of(&lw->v_proj, (int64_t)Nkv * kHD, H, "v_proj", &a->wv));
+    M3_TRY(wmat_of(&lw->q_proj, (int64_t)Nq * kHD, H, "q_proj", &a->wq));
+    M3_TRY(wmat_of(&lw->o_proj, H, (int64_t)Nq * kHD, "o_proj", &a->wo));
     if (Is) {
-        M3_TRY(wmat_of(&lw->sh_gate, Is, H, "shared gate_proj", &a.shg));
-        M3_TRY(wmat_of(&lw->sh_up, Is, H, "shared up_proj", &a.shu));
-        M3_TRY(wmat_of(&lw->sh_down, H, Is, "shared down_proj", &a.shd));
+        M3_TRY(wmat_of(&lw->sh_gate, Is, H, "shared gate_proj", &a->shg));
+        M3_TRY(wmat_of(&lw->sh_up, Is, H, "shared up_proj", &a->shu));
+        M3_TRY(wmat_of(&lw->sh_down, H, Is, "shared down_proj", &a->shd));
     }
     if (!lw->exp_gate || !lw->exp_up || !lw->exp_down)
         return MONO_FAIL(M3_ERR_INVALID_ARG, "layer %d: expert weights are missing", layer);
-    M3_TRY(wexp_of(lw->exp_gate, E, I, H, "gate", &a.eg));
-    M3_TRY(wexp_of(lw->exp_up, E, I, H, "up", &a.eu));
-    M3_TRY(wexp_of(lw->exp_down, E, H, I, "down", &a.ed));
-    M3_TRY(norm_w(&lw->input_norm, H, "input_layernorm", &a.in_norm));
-    M3_TRY(norm_w(&lw->post_norm, H, "post_attention_layernorm", &a.post_norm));
-    M3_TRY(norm_w(&lw->q_norm, kHD, "q_norm", &a.q_norm));
-    M3_TRY(norm_w(&lw->k_norm, kHD, "k_norm", &a.k_norm));
-    M3_TRY(norm_w(&lw->iq_norm, kHD, "index_q_norm", &a.iq_norm));
-    M3_TRY(norm_w(&lw->ik_norm, kHD, "index_k_norm", &a.ik_norm));
+    M3_TRY(wexp_of(lw->exp_gate, E, I, H, "gate", &a->eg));
+    M3_TRY(wexp_of(lw->exp_up, E, I, H, "up", &a->eu));
+    M3_TRY(wexp_of(lw->exp_down, E, H, I, "down", &a->ed));
+    M3_TRY(norm_w(&lw->input_norm, H, "input_layernorm", &a->in_norm));
+    M3_TRY(norm_w(&lw->post_norm, H, "post_attention_layernorm", &a->post_norm));
+    M3_TRY(norm_w(&lw->q_norm, kHD, "q_norm", &a->q_norm));
+    M3_TRY(norm_w(&lw->k_norm, kHD, "k_norm", &a->k_norm));
+    M3_TRY(norm_w(&lw->iq_norm, kHD, "index_q_norm", &a->iq_norm));
+    M3_TRY(norm_w(&lw->ik_norm, kHD, "index_k_norm", &a->ik_norm));
     const m3_tensor *rt = &lw->router;
     if (!rt->data || rt->dtype != M3_DT_F32 || rt->ndim != 2 || rt->ne[0] != E ||
         rt->ne[1] != H || !m3_tensor_is_contiguous(rt) || (uintptr_t)rt->data % 16)
         return MONO_FAIL(M3_ERR_INVALID_ARG, "router %s is not a contiguous f32 [%d, %d]",
                          rt->name ? rt->name : "gate", E, H);
-    a.router = (const float *)rt->data;
+    a->router = (const float *)rt->data;
     if (lw->router_bias.data) {
         if (lw->router_bias.dtype != M3_DT_F32 || m3_tensor_nelem(&lw->router_bias) != E)
             return MONO_FAIL(M3_ERR_INVALID_ARG, "router bias is not f32 [%d]", E);
-        a.rbias = (const float *)lw->router_bias.data;
+        a->rbias = (const float *)lw->router_bias.data;
     }
-    a.pos = st->dev.positions;
-    a.slots = st->dev.slots;
-    a.row_req = st->dev.row_req;
-    a.btab = st->dev.block_table;
-    a.kc = (uint16_t *)cl->k;
-    a.vc = (uint16_t *)cl->v;
-    a.ic = (uint16_t *)cl->index;
-    a.hidden = hidden;
-    a.residual = residual;
-    a.x1 = m->x1;
-    a.proj = m->proj;
-    a.attn = m->attn;
-    a.o = m->o;
-    a.x2 = m->x2;
-    a.act = m->act;
-    a.sh_act = m->sh_act;
-    a.scores = m->scores;
-    a.sel = m->sel;
-    a.att_ml = m->att_ml;
-    a.att_acc = m->att_acc;
-    a.logits = m->logits;
-    a.rw = m->rw;
-    a.rids = m->rids;
-    a.uniq = m->uniq;
-    a.ufirst = m->ufirst;
-    a.members = m->members;
-    a.n_uniq = m->n_uniq;
-    a.eout = m->eout;
-    a.sh_out = m->sh_out;
-    a.part_proj = m->part_proj;
-    a.part_o = m->part_o;
-    a.part_rt = m->part_rt;
-    a.part_shgu = m->part_shgu;
-    a.part_shdn = m->part_shdn;
-    a.ctr = m->ctr;
-    a.calls = m->calls;
-    a.n_ctr = m->n_ctr;
-    a.o_head = m->o_head;
-    a.o_ptile = m->o_ptile;
-    a.o_sel = m->o_sel;
-    a.o_att = m->o_att;
-    a.o_otile = m->o_otile;
-    a.o_rtile = m->o_rtile;
-    a.o_shgu = m->o_shgu;
-    a.o_shdn = m->o_shdn;
-    a.o_egu = m->o_egu;
-    a.o_idxq = m->o_idxq;
-    a.o_comb = m->o_comb;
-    a.fault = m->fault;
-    a.peers = m->peers_dev;
-    a.landing = m->landing;
-    a.spin_ns = m->spin_ns;
-    a.poll_acquire = m->poll_acquire;
-    a.shdn_early = m->shdn_early >= 0 ? m->shdn_early : (a.T <= 4 ? 25 : 100);
-    a.edn_sub = m->edn_sub ? m->edn_sub : (a.T > 8 ? 8 : 4);
+    return M3_OK;
+}
+
+/* the step's metadata, the caches and activations, the executor's scratch
+ * and counters, and the per-step choices of the tuning knobs */
+static void args_buffers(const m3_cuda_mono *m, const m3_step *st, const m3_cache_layer *cl,
+                         uint16_t *hidden, uint16_t *residual, MonoArgs *a) {
+    a->pos = st->dev.positions;
+    a->slots = st->dev.slots;
+    a->row_req = st->dev.row_req;
+    a->btab = st->dev.block_table;
+    a->kc = (uint16_t *)cl->k;
+    a->vc = (uint16_t *)cl->v;
+    a->ic = (uint16_t *)cl->index;
+    a->hidden = hidden;
+    a->residual = residual;
+    a->x1 = m->x1;
+    a->proj = m->proj;
+    a->attn = m->attn;
+    a->o = m->o;
+    a->x2 = m->x2;
+    a->act = m->act;
+    a->sh_act = m->sh_act;
+    a->scores = m->scores;
+    a->sel = m->sel;
+    a->att_ml = m->att_ml;
+    a->att_acc = m->att_acc;
+    a->logits = m->logits;
+    a->rw = m->rw;
+    a->rids = m->rids;
+    a->uniq = m->uniq;
+    a->ufirst = m->ufirst;
+    a->members = m->members;
+    a->n_uniq = m->n_uniq;
+    a->eout = m->eout;
+    a->sh_out = m->sh_out;
+    a->part_proj = m->part_proj;
+    a->part_o = m->part_o;
+    a->part_rt = m->part_rt;
+    a->part_shgu = m->part_shgu;
+    a->part_shdn = m->part_shdn;
+    a->ctr = m->ctr;
+    a->calls = m->calls;
+    a->n_ctr = m->n_ctr;
+    a->o_head = m->o_head;
+    a->o_ptile = m->o_ptile;
+    a->o_sel = m->o_sel;
+    a->o_att = m->o_att;
+    a->o_otile = m->o_otile;
+    a->o_rtile = m->o_rtile;
+    a->o_shgu = m->o_shgu;
+    a->o_shdn = m->o_shdn;
+    a->o_egu = m->o_egu;
+    a->o_idxq = m->o_idxq;
+    a->o_comb = m->o_comb;
+    a->fault = m->fault;
+    a->peers = m->peers_dev;
+    a->landing = m->landing;
+    a->spin_ns = m->spin_ns;
+    a->poll_acquire = m->poll_acquire;
+    a->shdn_early = m->shdn_early >= 0 ? m->shdn_early : (a->T <= 4 ? 25 : 100);
+    a->edn_sub = m->edn_sub ? m->edn_sub : (a->T > 8 ? 8 : 4);
     /* CTAs of their own for norm2 and the plan only where more CTAs than
      * rows run the queue; dry runs only at world 1 (a dry all-reduce would
      * wait for peers) */
-    a.pin = m->pin >= 0 ? m->pin : (a.T <= 8 && m->world == 1 ? 2 : 0);
-    if (m->P <= a.T)
-        a.pin = 0;
-    if (a.pin >= 2 && m->world > 1)
-        a.pin = 1;
-    a.dry_rows = m->dry_rows;
-    a.dry_logits = m->dry_logits;
-    a.dry_plan = m->dry_plan;
-    a.trace = m->tracing ? m->trace : NULL;
-    a.trace_n = m->trace_n;
-    a.trace_cap = m->trace_cap;
-    memcpy(a.inv_freq, m->inv_freq, sizeof a.inv_freq);
+    a->pin = m->pin >= 0 ? m->pin : (a->T <= 8 && m->world == 1 ? 2 : 0);
+    if (m->P <= a->T)
+        a->pin = 0;
+    if (a->pin >= 2 && m->world > 1)
+        a->pin = 1;
+    a->dry_rows = m->dry_rows;
+    a->dry_logits = m->dry_logits;
+    a->dry_plan = m->dry_plan;
+    a->trace = m->tracing ? m->trace : NULL;
+    a->trace_n = m->trace_n;
+    a->trace_cap = m->trace_cap;
+    memcpy(a->inv_freq, m->inv_freq, sizeof a->inv_freq);
+}
 
+extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int layer,
+                                        const m3_layer_weights *lw, const m3_cache_layer *cl,
+                                        bool first, uint32_t epoch, uint16_t *hidden,
+                                        uint16_t *residual) {
+    M3_TRY(check_layer_call(m, st, layer, lw, cl, hidden, residual));
+    /* the landing tags come from a device-side count of calls (see
+     * mono_post_kernel), so a graph replay does not reuse the tags it was
+     * captured with; the epoch is not needed for them */
+    (void)epoch;
+    MonoArgs a;
+    memset(&a, 0, sizeof a);
+    args_shapes(m, st, layer, first, &a);
+    M3_TRY(args_weights(m, lw, layer, &a));
+    args_buffers(m, st, cl, hidden, residual, &a);
     return launch_layer(m->cu->stream, m->P, m->smem, a);
 }
 
