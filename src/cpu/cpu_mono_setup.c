@@ -124,87 +124,10 @@ static void *alloc64(size_t bytes) {
     return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
 }
 
-m3_status m3_cpu_mono_create(m3_backend *be, const m3_config *cfg, int max_rows, int max_blocks,
-                             int tp_rank, m3_cpu_mono_group *group, m3_comm *cp,
-                             m3_cpu_mono **out) {
-    if (!out)
-        return m3_fail(M3_ERR_INVALID_ARG, "m3_cpu_mono_create: out is NULL");
-    *out = NULL;
-    if (!be || !cfg)
-        return m3_fail(M3_ERR_INVALID_ARG, "m3_cpu_mono_create: backend and config are required");
-    if (!be->ops || !be->ops->name || strcmp(be->ops->name, "cpu"))
-        return m3_fail(M3_ERR_UNSUPPORTED, "the CPU mono executor needs the CPU backend, not %s",
-                       be->ops && be->ops->name ? be->ops->name : "?");
-    if (max_rows < 1 || max_rows > MONO_MAX_ROWS)
-        return m3_fail(M3_ERR_INVALID_ARG, "CPU mono: max_rows %d is outside [1, %d]", max_rows,
-                       MONO_MAX_ROWS);
-    if (max_blocks < 1)
-        return m3_fail(M3_ERR_INVALID_ARG, "CPU mono: max_blocks %d", max_blocks);
-    int world = group ? group->world : 1;
-    if (tp_rank < 0 || tp_rank >= world)
-        return m3_fail(M3_ERR_INVALID_ARG, "CPU mono: TP rank %d of a group of %d", tp_rank,
-                       world);
-    if (group && (group->H != cfg->hidden_size || group->k != cfg->experts_per_tok ||
-                  max_rows > group->max_rows))
-        return m3_fail(M3_ERR_INVALID_ARG,
-                       "CPU mono: the group holds hidden %lld, top %d, %d rows; this rank has "
-                       "hidden %d, top %d, %d rows",
-                       (long long)group->H, group->k, group->max_rows, cfg->hidden_size,
-                       cfg->experts_per_tok, max_rows);
-    const m3_config *c = cfg;
-    if (c->hidden_size < 1 || c->head_dim < 1 || c->index_dim < 1 || c->num_q_heads < 1 ||
-        c->num_kv_heads < 1 || c->num_q_heads % c->num_kv_heads)
-        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: hidden %d, head_dim %d, index_dim %d, "
-                       "%d query / %d KV heads", c->hidden_size, c->head_dim, c->index_dim,
-                       c->num_q_heads, c->num_kv_heads);
-    if (c->index_heads != c->num_kv_heads)
-        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: %d index heads for %d KV heads (must be "
-                       "equal)", c->index_heads, c->num_kv_heads);
-    if (c->block_size != M3_PAGE_TOKENS)
-        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: sparse block size %d is not the page "
-                       "size %d", c->block_size, M3_PAGE_TOKENS);
-    if (c->rotary_dim < 0 || c->rotary_dim % 2 || c->rotary_dim > c->head_dim ||
-        c->rotary_dim > c->index_dim)
-        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: rotary_dim %d (head_dim %d, index_dim %d)",
-                       c->rotary_dim, c->head_dim, c->index_dim);
-    if (c->topk_blocks < 1)
-        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: topk_blocks %d", c->topk_blocks);
-    if (c->num_experts < 1 || c->experts_per_tok < 1 || c->experts_per_tok > MONO_MAX_TOPK ||
-        c->experts_per_tok > c->num_experts || c->expert_dim < 1 || c->shared_dim < 0)
-        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: %d experts, top %d, width %d, shared %d "
-                       "(top at most %d)", c->num_experts, c->experts_per_tok, c->expert_dim,
-                       c->shared_dim, MONO_MAX_TOPK);
-
-    m3_cpu_mono *m = m3_calloc(1, sizeof *m, "CPU mono executor");
-    if (!m)
-        return M3_ERR_NO_MEMORY;
-    m3_cpu *cpu = m3_cpu_of(be);
-    m->pool = cpu->pool;
-    m->n_threads = m3_pool_size(cpu->pool);
-    m->max_rows = max_rows;
-    m->max_blocks = max_blocks;
-    m->tp_rank = tp_rank;
-    m->group = group;
-    m->tp = world > 1;
-    m->cp = cp;
-    m->cfg = *c;
-    for (int i = 0; i < 4; i++)
-        atomic_init(&m->own_fault[i], 0);
-    m->fault = group ? group->fault[tp_rank].w : m->own_fault;
-    m->H = c->hidden_size;
-    m->D = c->head_dim;
-    m->Di = c->index_dim;
-    m->Nq = c->num_q_heads;
-    m->Nkv = c->num_kv_heads;
-    m->Ni = c->index_heads;
-    m->E = c->num_experts;
-    m->k = c->experts_per_tok;
-    m->half = c->rotary_dim / 2;
-    m->topk = c->topk_blocks;
-    m->I = c->expert_dim;
-    m->Is = c->shared_dim;
-
-    size_t R = (size_t)max_rows, H = (size_t)m->H, D = (size_t)m->D, Di = (size_t)m->Di;
+/* the scratch of one pass, sized for max_rows rows, zeroed; per thread the
+ * largest phase's floats and the routing lists */
+static m3_status alloc_scratch(m3_cpu_mono *m) {
+    size_t R = (size_t)m->max_rows, H = (size_t)m->H, D = (size_t)m->D, Di = (size_t)m->Di;
     size_t K = (size_t)m->k, E = (size_t)m->E;
     size_t half = (size_t)(m->half > 0 ? m->half : 1);
     struct {
@@ -222,7 +145,7 @@ m3_status m3_cpu_mono_create(m3_backend *be, const m3_config *cfg, int max_rows,
         {(void **)&m->v, R * (size_t)m->Nkv * D * 2},
         {(void **)&m->iq, R * (size_t)m->Ni * Di * 2},
         {(void **)&m->ik, R * Di * 2},
-        {(void **)&m->scores, R * (size_t)m->Ni * (size_t)max_blocks * 4},
+        {(void **)&m->scores, R * (size_t)m->Ni * (size_t)m->max_blocks * 4},
         {(void **)&m->sel, R * (size_t)m->Ni * (size_t)m->topk * 4},
         {(void **)&m->attn, R * (size_t)m->Nq * D * 2},
         {(void **)&m->attnf, R * (size_t)m->Nq * D * 4},
@@ -234,7 +157,7 @@ m3_status m3_cpu_mono_create(m3_backend *be, const m3_config *cfg, int max_rows,
         {(void **)&m->shf, R * (size_t)(m->Is > 0 ? m->Is : 1) * 4},
         {(void **)&m->eout, R * K * H * 2},
         {(void **)&m->shout, R * H * 2},
-        {(void **)&m->cp_table, R * (size_t)max_blocks * 4},
+        {(void **)&m->cp_table, R * (size_t)m->max_blocks * 4},
         {(void **)&m->cp_lens, R * 4},
     };
     m3_status st = M3_OK;
@@ -265,6 +188,96 @@ m3_status m3_cpu_mono_create(m3_backend *be, const m3_config *cfg, int max_rows,
         if (!m->tbuf[t] || !m->tlist[t])
             st = m3_fail(M3_ERR_NO_MEMORY, "out of memory for the CPU mono executor's threads");
     }
+    return st;
+}
+
+/* what the executor runs: shapes the pass handles, a rank of its group
+ * with the group's widths */
+static m3_status check_create(const m3_config *c, int max_rows, int max_blocks, int tp_rank,
+                              const m3_cpu_mono_group *group) {
+    if (max_rows < 1 || max_rows > MONO_MAX_ROWS)
+        return m3_fail(M3_ERR_INVALID_ARG, "CPU mono: max_rows %d is outside [1, %d]", max_rows,
+                       MONO_MAX_ROWS);
+    if (max_blocks < 1)
+        return m3_fail(M3_ERR_INVALID_ARG, "CPU mono: max_blocks %d", max_blocks);
+    const int world = group ? group->world : 1;
+    if (tp_rank < 0 || tp_rank >= world)
+        return m3_fail(M3_ERR_INVALID_ARG, "CPU mono: TP rank %d of a group of %d", tp_rank,
+                       world);
+    if (group && (group->H != c->hidden_size || group->k != c->experts_per_tok ||
+                  max_rows > group->max_rows))
+        return m3_fail(M3_ERR_INVALID_ARG,
+                       "CPU mono: the group holds hidden %lld, top %d, %d rows; this rank has "
+                       "hidden %d, top %d, %d rows",
+                       (long long)group->H, group->k, group->max_rows, c->hidden_size,
+                       c->experts_per_tok, max_rows);
+    if (c->hidden_size < 1 || c->head_dim < 1 || c->index_dim < 1 || c->num_q_heads < 1 ||
+        c->num_kv_heads < 1 || c->num_q_heads % c->num_kv_heads)
+        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: hidden %d, head_dim %d, index_dim %d, "
+                       "%d query / %d KV heads", c->hidden_size, c->head_dim, c->index_dim,
+                       c->num_q_heads, c->num_kv_heads);
+    if (c->index_heads != c->num_kv_heads)
+        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: %d index heads for %d KV heads (must be "
+                       "equal)", c->index_heads, c->num_kv_heads);
+    if (c->block_size != M3_PAGE_TOKENS)
+        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: sparse block size %d is not the page "
+                       "size %d", c->block_size, M3_PAGE_TOKENS);
+    if (c->rotary_dim < 0 || c->rotary_dim % 2 || c->rotary_dim > c->head_dim ||
+        c->rotary_dim > c->index_dim)
+        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: rotary_dim %d (head_dim %d, index_dim %d)",
+                       c->rotary_dim, c->head_dim, c->index_dim);
+    if (c->topk_blocks < 1)
+        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: topk_blocks %d", c->topk_blocks);
+    if (c->num_experts < 1 || c->experts_per_tok < 1 || c->experts_per_tok > MONO_MAX_TOPK ||
+        c->experts_per_tok > c->num_experts || c->expert_dim < 1 || c->shared_dim < 0)
+        return m3_fail(M3_ERR_UNSUPPORTED, "CPU mono: %d experts, top %d, width %d, shared %d "
+                       "(top at most %d)", c->num_experts, c->experts_per_tok, c->expert_dim,
+                       c->shared_dim, MONO_MAX_TOPK);
+    return M3_OK;
+}
+
+m3_status m3_cpu_mono_create(m3_backend *be, const m3_config *cfg, int max_rows, int max_blocks,
+                             int tp_rank, m3_cpu_mono_group *group, m3_comm *cp,
+                             m3_cpu_mono **out) {
+    if (!out)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_cpu_mono_create: out is NULL");
+    *out = NULL;
+    if (!be || !cfg)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_cpu_mono_create: backend and config are required");
+    if (!be->ops || !be->ops->name || strcmp(be->ops->name, "cpu"))
+        return m3_fail(M3_ERR_UNSUPPORTED, "the CPU mono executor needs the CPU backend, not %s",
+                       be->ops && be->ops->name ? be->ops->name : "?");
+    M3_TRY(check_create(cfg, max_rows, max_blocks, tp_rank, group));
+    const m3_config *c = cfg;
+    m3_cpu_mono *m = m3_calloc(1, sizeof *m, "CPU mono executor");
+    if (!m)
+        return M3_ERR_NO_MEMORY;
+    m3_cpu *cpu = m3_cpu_of(be);
+    m->pool = cpu->pool;
+    m->n_threads = m3_pool_size(cpu->pool);
+    m->max_rows = max_rows;
+    m->max_blocks = max_blocks;
+    m->tp_rank = tp_rank;
+    m->group = group;
+    m->tp = group && group->world > 1;
+    m->cp = cp;
+    m->cfg = *c;
+    for (int i = 0; i < 4; i++)
+        atomic_init(&m->own_fault[i], 0);
+    m->fault = group ? group->fault[tp_rank].w : m->own_fault;
+    m->H = c->hidden_size;
+    m->D = c->head_dim;
+    m->Di = c->index_dim;
+    m->Nq = c->num_q_heads;
+    m->Nkv = c->num_kv_heads;
+    m->Ni = c->index_heads;
+    m->E = c->num_experts;
+    m->k = c->experts_per_tok;
+    m->half = c->rotary_dim / 2;
+    m->topk = c->topk_blocks;
+    m->I = c->expert_dim;
+    m->Is = c->shared_dim;
+    m3_status st = alloc_scratch(m);
     if (st) {
         m3_cpu_mono_free(m);
         return st;

@@ -537,14 +537,11 @@ out:
 
 /* ------------------------------------------------------------ faults */
 
-static void fault_cases(ctx *c) {
+/* (5) set / read / clear; check on a clear word */
+static void fault_round_trip(ctx *c) {
     const char *name = c->v->name;
-    m3_engine *e = c->eng;
     const m3_backend_ops *op = c->be->ops;
-    int layer = c->first_sparse, n = 2;
     int32_t f[4];
-
-    /* (5) set / read / clear; check on a clear word */
     const char *t5 = "(5) fault word round trip";
     if (ok(c, t5, m3_cuda_mono_set_fault(c->mono, M3_MONO_FAULT_PLANTED, 5), "set_fault") &&
         ok(c, t5, m3_cuda_mono_read_fault(c->mono, f), "read_fault")) {
@@ -564,149 +561,169 @@ static void fault_cases(ctx *c) {
                f[2], f[3], sticky ? "yes" : "NO", cleared ? "yes" : "NO",
                check_ok ? "ran" : "FAILED");
     }
+}
 
+/* one mono run of the layer on the step's (uploaded) tables, then the fault
+ * word into f */
+static m3_status run_read_fault(ctx *c, int layer, int n, uint16_t *h, uint16_t *r,
+                                int32_t f[4]) {
+    m3_engine *e = c->eng;
+    m3_status s = put_inputs(c, layer, n, h, r);
+    if (!s)
+        s = m3_cuda_mono_layer(c->mono, &e->step, layer, &e->w.layers[layer],
+                               &e->cache.layers[layer], false, c->epoch++, e->s.hidden,
+                               e->s.residual);
+    if (!s)
+        s = c->be->ops->sync(c->be);
+    return s ? s : m3_cuda_mono_read_fault(c->mono, f);
+}
+
+/* after a fault: cleared, the next run gives the reference bits */
+static bool clean_again(ctx *c, const char *t, int layer, int n, uint16_t *h, uint16_t *r,
+                        const outputs *ref, outputs *got) {
+    return ok(c, t, m3_cuda_mono_clear_fault(c->mono), "clear") &&
+           ok(c, t, put_inputs(c, layer, n, h, r), "inputs") &&
+           ok(c, t, mono_run(c, layer, n, got), "run after clearing") && fault_clear(c, t) &&
+           outputs_equal(c, got, ref, n);
+}
+
+/* (6) a real row's slot past the pool */
+static void fault_slot(ctx *c, int layer, int n, uint16_t *h, uint16_t *r, const outputs *ref,
+                       outputs *got) {
+    const char *name = c->v->name, *t6 = "(6) slot past the pool";
+    m3_step *st = &c->eng->step;
+    int R = st->rows;
+    int64_t pool = (int64_t)st->n_pages * PAGE;
+    int32_t f[4];
+    int64_t saved = st->host.slots[1], bad = pool + 7;
+    st->host.slots[1] = bad;
+    m3_status s = upload(c, st->dev.slots, st->host.slots, (size_t)R * 8);
+    m3_status s2 = s ? s : run_read_fault(c, layer, n, h, r, f);
+    st->host.slots[1] = saved;
+    upload(c, st->dev.slots, st->host.slots, (size_t)R * 8);
+    if (ok(c, t6, s, "faulty run") && ok(c, t6, s2, "read_fault")) {
+        bool hit = f[0] == M3_MONO_FAULT_SLOT && f[1] == layer && f[2] == 1 &&
+                   f[3] == (int32_t)(bad > INT32_MAX ? INT32_MAX : bad);
+        bool again = clean_again(c, t6, layer, n, h, r, ref, got);
+        record(name, t6, hit && again ? "PASS" : "FAIL",
+               "fault [%s, layer %d, row %d, value %d] (want slot, %d, 1, %lld); next run %s",
+               m3_mono_fault_name(f[0]), f[1], f[2], f[3], layer, (long long)bad,
+               again ? "gives the reference bits" : "DIFFERS");
+    }
+}
+
+/* (7) a block table page past the pool */
+static void fault_page(ctx *c, int layer, int n, uint16_t *h, uint16_t *r, const outputs *ref,
+                       outputs *got) {
+    const char *name = c->v->name, *t7 = "(7) block table page past the pool";
+    m3_step *st = &c->eng->step;
+    int32_t f[4];
+    int width = st->max_blocks;
+    int32_t saved = st->host.block_table[0], bad = (int32_t)st->n_pages + 3;
+    st->host.block_table[0] = bad; /* request 0, block 0 */
+    size_t tb = (size_t)st->n_reqs * width * 4;
+    m3_status s = upload(c, st->dev.block_table, st->host.block_table, tb);
+    m3_status s2 = s ? s : run_read_fault(c, layer, n, h, r, f);
+    st->host.block_table[0] = saved;
+    upload(c, st->dev.block_table, st->host.block_table, tb);
+    if (ok(c, t7, s, "faulty run") && ok(c, t7, s2, "read_fault")) {
+        bool hit = f[0] == M3_MONO_FAULT_PAGE && f[1] == layer && f[2] == 0 && f[3] == bad;
+        bool again = clean_again(c, t7, layer, n, h, r, ref, got);
+        record(name, t7, hit && again ? "PASS" : "FAIL",
+               "fault [%s, layer %d, row %d, value %d] (want page, %d, 0, %d); next run %s",
+               m3_mono_fault_name(f[0]), f[1], f[2], f[3], layer, bad,
+               again ? "gives the reference bits" : "DIFFERS");
+    }
+}
+
+/* (9) refusals with clear errors: a dense layer, too many rows, a table
+ * wider than the executor's capacity, an unsupported head_dim; every fault
+ * code has its own name */
+static void refusal_cases(ctx *c, int layer) {
+    const char *name = c->v->name;
+    m3_engine *e = c->eng;
+    m3_step *st = &e->step;
+    const char *t9 = "(9) refusals";
+    int dense = -1;
+    for (int i = 0; i < c->cfg.num_layers; i++)
+        if (!c->cfg.layer_sparse[i] || !c->cfg.layer_moe[i])
+            dense = i;
+    int good = 0, want = 0;
+    char why[160] = "";
+    if (dense >= 0) {
+        want++;
+        m3_status s = m3_cuda_mono_layer(c->mono, st, dense, &e->w.layers[dense],
+                                         &e->cache.layers[dense], dense == 0, 0, e->s.hidden,
+                                         e->s.residual);
+        if (s == M3_ERR_UNSUPPORTED && strstr(m3_last_error(), "sparse attention + MoE"))
+            good++;
+        else
+            snprintf(why, sizeof why, "dense layer: %s \"%s\"", m3_status_name(s),
+                     m3_last_error());
+    }
+    m3_step wide = *st;
+    wide.rows = MAXR + 1;
+    want++;
+    m3_status s = m3_cuda_mono_layer(c->mono, &wide, layer, &e->w.layers[layer],
+                                     &e->cache.layers[layer], false, 0, e->s.hidden,
+                                     e->s.residual);
+    if (s == M3_ERR_INVALID_ARG && strstr(m3_last_error(), "rows"))
+        good++;
+    else
+        snprintf(why, sizeof why, "17 rows: %s \"%s\"", m3_status_name(s), m3_last_error());
+    wide = *st;
+    wide.max_blocks = e->max_blocks + 1;
+    want++;
+    s = m3_cuda_mono_layer(c->mono, &wide, layer, &e->w.layers[layer],
+                           &e->cache.layers[layer], false, 0, e->s.hidden, e->s.residual);
+    if (s == M3_ERR_INVALID_ARG && strstr(m3_last_error(), "capacity"))
+        good++;
+    else
+        snprintf(why, sizeof why, "wide table: %s \"%s\"", m3_status_name(s),
+                 m3_last_error());
+    m3_config bad = c->cfg;
+    bad.head_dim = 64;
+    m3_cuda_mono *m2 = NULL;
+    want++;
+    s = m3_cuda_mono_create(c->be, &bad, e->max_blocks, 0, 1, &m2);
+    if (s == M3_ERR_UNSUPPORTED && !m2 && strstr(m3_last_error(), "head_dim"))
+        good++;
+    else
+        snprintf(why, sizeof why, "head_dim 64: %s \"%s\"", m3_status_name(s),
+                 m3_last_error());
+    m3_cuda_mono_free(m2);
+    /* every fault code has its own name */
+    want++;
+    bool names = true;
+    for (int a = 0; a <= M3_MONO_FAULT_PLANTED; a++)
+        for (int b = 0; b < a; b++)
+            names = names && m3_mono_fault_name(a) && m3_mono_fault_name(a)[0] &&
+                    strcmp(m3_mono_fault_name(a), m3_mono_fault_name(b));
+    names = names && m3_mono_fault_name(99) != NULL;
+    good += names;
+    if (!names)
+        snprintf(why, sizeof why, "fault names are not distinct");
+    record(name, t9, good == want ? "PASS" : "FAIL", "%d/%d refused with clear errors%s%s",
+           good, want, why[0] ? ": " : "", why);
+    fault_clear(c, t9); /* nothing launched */
+}
+
+static void fault_cases(ctx *c) {
+    fault_round_trip(c);
+    int layer = c->first_sparse, n = 2;
     /* reference bits of the 2-row step */
     outputs ref, got;
     outputs_alloc(c, &ref);
     outputs_alloc(c, &got);
     uint16_t *h = gpu_xmalloc((size_t)MAXR * c->H * 2), *r = gpu_xmalloc((size_t)MAXR * c->H * 2);
     const char *t6 = "(6) slot past the pool";
-    const char *t7 = "(7) block table page past the pool";
     if (!ok(c, t6, build_step(c, n), "build step") ||
         !ok(c, t6, put_inputs(c, layer, n, h, r), "inputs") ||
         !ok(c, t6, mono_run(c, layer, n, &ref), "reference run") || !fault_clear(c, t6))
         goto out;
-    m3_step *st = &e->step;
-    int R = st->rows;
-    int64_t pool = (int64_t)st->n_pages * PAGE;
-
-    /* (6) */
-    {
-        int64_t saved = st->host.slots[1], bad = pool + 7;
-        st->host.slots[1] = bad;
-        m3_status s = upload(c, st->dev.slots, st->host.slots, (size_t)R * 8);
-        if (!s)
-            s = put_inputs(c, layer, n, h, r);
-        if (!s)
-            s = m3_cuda_mono_layer(c->mono, st, layer, &e->w.layers[layer],
-                                   &e->cache.layers[layer], false, c->epoch++, e->s.hidden,
-                                   e->s.residual);
-        if (!s)
-            s = op->sync(c->be);
-        m3_status s2 = s ? s : m3_cuda_mono_read_fault(c->mono, f);
-        st->host.slots[1] = saved;
-        upload(c, st->dev.slots, st->host.slots, (size_t)R * 8);
-        if (ok(c, t6, s, "faulty run") && ok(c, t6, s2, "read_fault")) {
-            bool hit = f[0] == M3_MONO_FAULT_SLOT && f[1] == layer && f[2] == 1 &&
-                       f[3] == (int32_t)(bad > INT32_MAX ? INT32_MAX : bad);
-            bool again = ok(c, t6, m3_cuda_mono_clear_fault(c->mono), "clear") &&
-                         ok(c, t6, put_inputs(c, layer, n, h, r), "inputs") &&
-                         ok(c, t6, mono_run(c, layer, n, &got), "run after clearing") &&
-                         fault_clear(c, t6) && outputs_equal(c, &got, &ref, n);
-            record(name, t6, hit && again ? "PASS" : "FAIL",
-                   "fault [%s, layer %d, row %d, value %d] (want slot, %d, 1, %lld); next run %s",
-                   m3_mono_fault_name(f[0]), f[1], f[2], f[3], layer, (long long)bad,
-                   again ? "gives the reference bits" : "DIFFERS");
-        }
-    }
-
-    /* (7) */
-    {
-        int width = st->max_blocks;
-        int32_t saved = st->host.block_table[0], bad = (int32_t)st->n_pages + 3;
-        st->host.block_table[0] = bad; /* request 0, block 0 */
-        size_t tb = (size_t)st->n_reqs * width * 4;
-        m3_status s = upload(c, st->dev.block_table, st->host.block_table, tb);
-        if (!s)
-            s = put_inputs(c, layer, n, h, r);
-        if (!s)
-            s = m3_cuda_mono_layer(c->mono, st, layer, &e->w.layers[layer],
-                                   &e->cache.layers[layer], false, c->epoch++, e->s.hidden,
-                                   e->s.residual);
-        if (!s)
-            s = op->sync(c->be);
-        m3_status s2 = s ? s : m3_cuda_mono_read_fault(c->mono, f);
-        st->host.block_table[0] = saved;
-        upload(c, st->dev.block_table, st->host.block_table, tb);
-        if (ok(c, t7, s, "faulty run") && ok(c, t7, s2, "read_fault")) {
-            bool hit = f[0] == M3_MONO_FAULT_PAGE && f[1] == layer && f[2] == 0 && f[3] == bad;
-            bool again = ok(c, t7, m3_cuda_mono_clear_fault(c->mono), "clear") &&
-                         ok(c, t7, put_inputs(c, layer, n, h, r), "inputs") &&
-                         ok(c, t7, mono_run(c, layer, n, &got), "run after clearing") &&
-                         fault_clear(c, t7) && outputs_equal(c, &got, &ref, n);
-            record(name, t7, hit && again ? "PASS" : "FAIL",
-                   "fault [%s, layer %d, row %d, value %d] (want page, %d, 0, %d); next run %s",
-                   m3_mono_fault_name(f[0]), f[1], f[2], f[3], layer, bad,
-                   again ? "gives the reference bits" : "DIFFERS");
-        }
-    }
-
-    /* (9) refusals */
-    {
-        const char *t9 = "(9) refusals";
-        int dense = -1;
-        for (int i = 0; i < c->cfg.num_layers; i++)
-            if (!c->cfg.layer_sparse[i] || !c->cfg.layer_moe[i])
-                dense = i;
-        int good = 0, want = 0;
-        char why[160] = "";
-        if (dense >= 0) {
-            want++;
-            m3_status s = m3_cuda_mono_layer(c->mono, st, dense, &e->w.layers[dense],
-                                             &e->cache.layers[dense], dense == 0, 0, e->s.hidden,
-                                             e->s.residual);
-            if (s == M3_ERR_UNSUPPORTED && strstr(m3_last_error(), "sparse attention + MoE"))
-                good++;
-            else
-                snprintf(why, sizeof why, "dense layer: %s \"%s\"", m3_status_name(s),
-                         m3_last_error());
-        }
-        m3_step wide = *st;
-        wide.rows = MAXR + 1;
-        want++;
-        m3_status s = m3_cuda_mono_layer(c->mono, &wide, layer, &e->w.layers[layer],
-                                         &e->cache.layers[layer], false, 0, e->s.hidden,
-                                         e->s.residual);
-        if (s == M3_ERR_INVALID_ARG && strstr(m3_last_error(), "rows"))
-            good++;
-        else
-            snprintf(why, sizeof why, "17 rows: %s \"%s\"", m3_status_name(s), m3_last_error());
-        wide = *st;
-        wide.max_blocks = e->max_blocks + 1;
-        want++;
-        s = m3_cuda_mono_layer(c->mono, &wide, layer, &e->w.layers[layer],
-                               &e->cache.layers[layer], false, 0, e->s.hidden, e->s.residual);
-        if (s == M3_ERR_INVALID_ARG && strstr(m3_last_error(), "capacity"))
-            good++;
-        else
-            snprintf(why, sizeof why, "wide table: %s \"%s\"", m3_status_name(s),
-                     m3_last_error());
-        m3_config bad = c->cfg;
-        bad.head_dim = 64;
-        m3_cuda_mono *m2 = NULL;
-        want++;
-        s = m3_cuda_mono_create(c->be, &bad, e->max_blocks, 0, 1, &m2);
-        if (s == M3_ERR_UNSUPPORTED && !m2 && strstr(m3_last_error(), "head_dim"))
-            good++;
-        else
-            snprintf(why, sizeof why, "head_dim 64: %s \"%s\"", m3_status_name(s),
-                     m3_last_error());
-        m3_cuda_mono_free(m2);
-        /* every fault code has its own name */
-        want++;
-        bool names = true;
-        for (int a = 0; a <= M3_MONO_FAULT_PLANTED; a++)
-            for (int b = 0; b < a; b++)
-                names = names && m3_mono_fault_name(a) && m3_mono_fault_name(a)[0] &&
-                        strcmp(m3_mono_fault_name(a), m3_mono_fault_name(b));
-        names = names && m3_mono_fault_name(99) != NULL;
-        good += names;
-        if (!names)
-            snprintf(why, sizeof why, "fault names are not distinct");
-        record(name, t9, good == want ? "PASS" : "FAIL", "%d/%d refused with clear errors%s%s",
-               good, want, why[0] ? ": " : "", why);
-        fault_clear(c, t9); /* nothing launched */
-    }
+    fault_slot(c, layer, n, h, r, &ref, &got);
+    fault_page(c, layer, n, h, r, &ref, &got);
+    refusal_cases(c, layer);
 out:
     outputs_free(&ref);
     outputs_free(&got);

@@ -737,32 +737,9 @@ static void *abort_main(void *p) {
     return NULL;
 }
 
-static void test_faults(model_case *mc) {
-    m3_engine *e = make_engine(mc->model, 1, 2);
-    m3_engine *f2 = make_engine(mc->model, 2, 2);
-    CHECK(e && f2);
-    if (!e || !f2) {
-        m3_engine_free(e);
-        m3_engine_free(f2);
-        return;
-    }
-    int l = 1; /* tiny: layer 1 is sparse MoE */
-    m3_seq seqs[3];
-    for (int i = 0; i < 3; i++) {
-        CHECK_OK(m3_seq_create(e, &seqs[i]));
-        random_seq(e, seqs[i], 400 + 37 * i);
-        m3_seq s;
-        CHECK_OK(m3_seq_create(f2, &s));
-        for (int r = 0; r < 2; r++)
-            copy_to_rank(e, f2->ranks[r], r, 2, s);
-    }
-    int32_t tok[3] = {1, 2, 3};
-    m3_request reqs[3] = {{seqs[0], &tok[0], 1}, {seqs[1], &tok[1], 1}, {seqs[2], &tok[2], 1}};
-    m3_cpu_mono *m = NULL;
-    CHECK_OK(m3_cpu_mono_create(e->be, &e->cfg, MONO_ROWS, e->max_blocks, 0, NULL, NULL, &m));
-    if (!m)
-        goto done;
-
+/* world 1: a slot or a page past the pool, a planted fault (sticky, the
+ * first fault wins), abort_all */
+static void faults_world1(m3_cpu_mono *m, m3_engine *e, int l, const m3_request *reqs) {
     /* a slot past the pool: SLOT, nothing written */
     CHECK_OK(m3_engine_build(e, reqs, 3, true));
     int64_t good = e->step.host.slots[1];
@@ -795,143 +772,176 @@ static void test_faults(model_case *mc) {
     m3_cpu_mono_abort_all(m);
     CHECK(fault_code(m, w) == M3_MONO_FAULT_ABORTED);
     m3_cpu_mono_clear_fault(m);
+}
 
-    /* bad arguments */
-    {
-        size_t n = (size_t)MONO_ROWS * e->cfg.hidden_size;
-        uint16_t *hid = xalloc(n * 2), *res = xalloc(n * 2);
-        fill_rand(hid, (int64_t)n);
-        fill_rand(res, (int64_t)n);
-        CHECK_FAILS(m3_cpu_mono_layer(m, &e->step, 0, &e->w.layers[0], &e->cache.layers[0], false,
-                                      5, hid, res),
-                    M3_ERR_INVALID_ARG, "the mono path takes sparse MoE layers; layer 0 is dense");
-        CHECK_FAILS(m3_cpu_mono_layer(NULL, &e->step, l, &e->w.layers[l], &e->cache.layers[l],
-                                      false, 5, hid, res),
-                    M3_ERR_INVALID_ARG, "required");
-        CHECK_FAILS(m3_cpu_mono_layer(m, &e->step, l, &e->w.layers[l], &e->cache.layers[l], false,
-                                      5, NULL, res),
-                    M3_ERR_INVALID_ARG, "required");
-        m3_cpu_mono *small = NULL;
-        CHECK_OK(m3_cpu_mono_create(e->be, &e->cfg, 2, e->max_blocks, 0, NULL, NULL, &small));
-        CHECK_FAILS(m3_cpu_mono_layer(small, &e->step, l, &e->w.layers[l], &e->cache.layers[l],
-                                      false, 5, hid, res),
-                    M3_ERR_INVALID_ARG, "max_rows = 2");
-        m3_cpu_mono_free(small);
-        int32_t two[2] = {4, 5};
-        m3_request pre = {seqs[0], two, 2};
-        CHECK_OK(m3_engine_build(e, &pre, 1, true));
-        CHECK_FAILS(m3_cpu_mono_layer(m, &e->step, l, &e->w.layers[l], &e->cache.layers[l],
-                                      false, 5, hid, res),
-                    M3_ERR_INVALID_ARG, "not decode-only");
-        CHECK_FAILS(m3_cpu_mono_create(e->be, &e->cfg, 65, e->max_blocks, 0, NULL, NULL, &small),
-                    M3_ERR_INVALID_ARG, "max_rows 65");
-        m3_cpu_mono_group *g = NULL;
-        CHECK_FAILS(m3_cpu_mono_group_create(9, 16, &e->cfg, 0, &g), M3_ERR_INVALID_ARG,
-                    "world 9");
-        CHECK_OK(m3_cpu_mono_group_create(2, 16, &e->cfg, 0, &g));
-        CHECK_FAILS(m3_cpu_mono_create(e->be, &e->cfg, 16, e->max_blocks, 2, g, NULL, &small),
-                    M3_ERR_INVALID_ARG, "TP rank 2 of a group of 2");
-        m3_cpu_mono_group_free(g);
-        CHECK(fault_code(m, w) == 0); /* errors are not faults */
-        free(hid);
-        free(res);
-    }
+/* bad arguments are errors, not faults */
+static void faults_bad_args(m3_cpu_mono *m, m3_engine *e, int l, m3_seq seq0) {
+    int32_t w[4];
+    size_t n = (size_t)MONO_ROWS * e->cfg.hidden_size;
+    uint16_t *hid = xalloc(n * 2), *res = xalloc(n * 2);
+    fill_rand(hid, (int64_t)n);
+    fill_rand(res, (int64_t)n);
+    CHECK_FAILS(m3_cpu_mono_layer(m, &e->step, 0, &e->w.layers[0], &e->cache.layers[0], false,
+                                  5, hid, res),
+                M3_ERR_INVALID_ARG, "the mono path takes sparse MoE layers; layer 0 is dense");
+    CHECK_FAILS(m3_cpu_mono_layer(NULL, &e->step, l, &e->w.layers[l], &e->cache.layers[l],
+                                  false, 5, hid, res),
+                M3_ERR_INVALID_ARG, "required");
+    CHECK_FAILS(m3_cpu_mono_layer(m, &e->step, l, &e->w.layers[l], &e->cache.layers[l], false,
+                                  5, NULL, res),
+                M3_ERR_INVALID_ARG, "required");
+    m3_cpu_mono *small = NULL;
+    CHECK_OK(m3_cpu_mono_create(e->be, &e->cfg, 2, e->max_blocks, 0, NULL, NULL, &small));
+    CHECK_FAILS(m3_cpu_mono_layer(small, &e->step, l, &e->w.layers[l], &e->cache.layers[l],
+                                  false, 5, hid, res),
+                M3_ERR_INVALID_ARG, "max_rows = 2");
+    m3_cpu_mono_free(small);
+    int32_t two[2] = {4, 5};
+    m3_request pre = {seq0, two, 2};
+    CHECK_OK(m3_engine_build(e, &pre, 1, true));
+    CHECK_FAILS(m3_cpu_mono_layer(m, &e->step, l, &e->w.layers[l], &e->cache.layers[l],
+                                  false, 5, hid, res),
+                M3_ERR_INVALID_ARG, "not decode-only");
+    CHECK_FAILS(m3_cpu_mono_create(e->be, &e->cfg, 65, e->max_blocks, 0, NULL, NULL, &small),
+                M3_ERR_INVALID_ARG, "max_rows 65");
+    m3_cpu_mono_group *g = NULL;
+    CHECK_FAILS(m3_cpu_mono_group_create(9, 16, &e->cfg, 0, &g), M3_ERR_INVALID_ARG,
+                "world 9");
+    CHECK_OK(m3_cpu_mono_group_create(2, 16, &e->cfg, 0, &g));
+    CHECK_FAILS(m3_cpu_mono_create(e->be, &e->cfg, 16, e->max_blocks, 2, g, NULL, &small),
+                M3_ERR_INVALID_ARG, "TP rank 2 of a group of 2");
+    m3_cpu_mono_group_free(g);
+    CHECK(fault_code(m, w) == 0); /* errors are not faults */
+    free(hid);
+    free(res);
+}
 
-    /* TP 2: a peer that never arrives; an abort; then exact steps again */
-    {
-        m3_cpu_mono_group *g = NULL;
-        m3_cpu_mono *rm[2] = {NULL, NULL};
-        CHECK_OK(m3_cpu_mono_group_create(2, MONO_ROWS, &f2->ranks[0]->cfg, 200, &g));
-        for (int r = 0; r < 2 && g; r++)
-            CHECK_OK(m3_cpu_mono_create(f2->ranks[r]->be, &f2->ranks[r]->cfg, MONO_ROWS,
-                                        f2->ranks[r]->max_blocks, r, g, NULL, &rm[r]));
-        if (!rm[0] || !rm[1]) {
-            for (int r = 0; r < 2; r++)
-                m3_cpu_mono_free(rm[r]);
-            m3_cpu_mono_group_free(g);
-            goto done;
-        }
-        CHECK_OK(m3_engine_build(e, reqs, 3, true));
-        for (int r = 0; r < 2; r++)
-            CHECK_OK(m3_engine_build(f2->ranks[r], reqs, 3, true));
-        const m3_step *st = &e->step;
-        size_t n = (size_t)st->rows * e->cfg.hidden_size;
-        uint16_t *in_h = xalloc(n * 2), *in_r = xalloc(n * 2), *h0 = xalloc(n * 2),
-                 *r0 = xalloc(n * 2), *h1 = xalloc(n * 2), *r1 = xalloc(n * 2);
-        fill_rand(in_h, (int64_t)n);
-        fill_rand(in_r, (int64_t)n);
-
-        /* only rank 0 runs: its wait expires (200 ms) */
-        memcpy(h0, in_h, n * 2);
-        memcpy(r0, in_r, n * 2);
-        rank_arg a0 = {rm[0], f2->ranks[0], l, false, 1, h0, r0, M3_OK, "", 0};
-        rank_main(&a0);
-        CHECK(a0.st == M3_OK);
-        CHECK(fault_code(rm[0], w) == M3_MONO_FAULT_PEER_WAIT && w[1] == l && w[3] == 1);
-        CHECK(a0.seconds >= 0.15 && a0.seconds < 5.0);
-        CHECK(fault_code(rm[1], w) == 0); /* a peer's word is its own */
-        m3_cpu_mono_clear_fault(rm[0]);
-
-        /* rank 0 waits (the timeout now long); rank 1 aborts from another
-         * thread: rank 0's wait ends, both words say ABORTED */
-        m3_cpu_mono_group_free(g); /* a group with a long timeout, same executors' shapes */
-        g = NULL;
-        m3_cpu_mono_free(rm[0]);
-        m3_cpu_mono_free(rm[1]);
-        rm[0] = rm[1] = NULL;
-        CHECK_OK(m3_cpu_mono_group_create(2, MONO_ROWS, &f2->ranks[0]->cfg, 30000, &g));
-        for (int r = 0; r < 2 && g; r++)
-            CHECK_OK(m3_cpu_mono_create(f2->ranks[r]->be, &f2->ranks[r]->cfg, MONO_ROWS,
-                                        f2->ranks[r]->max_blocks, r, g, NULL, &rm[r]));
-        if (rm[0] && rm[1]) {
-            memcpy(h0, in_h, n * 2);
-            memcpy(r0, in_r, n * 2);
-            a0 = (rank_arg){rm[0], f2->ranks[0], l, false, 2, h0, r0, M3_OK, "", 0};
-            abort_arg ab = {rm[1], 100};
-            pthread_t th;
-            bool started = pthread_create(&th, NULL, abort_main, &ab) == 0;
-            CHECK(started);
-            rank_main(&a0);
-            if (started)
-                pthread_join(th, NULL);
-            CHECK(a0.st == M3_OK);
-            CHECK(fault_code(rm[0], w) == M3_MONO_FAULT_ABORTED && w[3] == 1);
-            CHECK(fault_code(rm[1], w) == M3_MONO_FAULT_ABORTED);
-            CHECK(a0.seconds >= 0.05 && a0.seconds < 10.0);
-            m3_cpu_mono_clear_fault(rm[0]);
-            m3_cpu_mono_clear_fault(rm[1]);
-
-            /* both ranks, later epochs: exact again (stale tags and data in
-             * the peer buffers need no clearing) */
-            memcpy(e->s.hidden, in_h, n * 2);
-            memcpy(e->s.residual, in_r, n * 2);
-            CHECK_OK(m3_stock_layer(e, st, l, false));
-            for (uint32_t ep = 3; ep < 5; ep++) {
-                memcpy(h0, in_h, n * 2);
-                memcpy(r0, in_r, n * 2);
-                memcpy(h1, in_h, n * 2);
-                memcpy(r1, in_r, n * 2);
-                rank_arg args[2] = {{rm[0], f2->ranks[0], l, false, ep, h0, r0, M3_OK, "", 0},
-                                    {rm[1], f2->ranks[1], l, false, ep, h1, r1, M3_OK, "", 0}};
-                run_ranks(args, 2);
-                CHECK(args[0].st == M3_OK && args[1].st == M3_OK);
-                CHECK(fault_code(rm[0], w) == 0 && fault_code(rm[1], w) == 0);
-                CHECK(same_rows(st, h0, e->s.hidden, (size_t)e->cfg.hidden_size));
-                CHECK(same_rows(st, h1, e->s.hidden, (size_t)e->cfg.hidden_size));
-                CHECK(same_rows(st, r0, e->s.residual, (size_t)e->cfg.hidden_size));
-                CHECK(same_rows(st, r1, e->s.residual, (size_t)e->cfg.hidden_size));
-            }
-        }
+/* TP 2: a peer that never arrives; an abort; then exact steps again */
+static void faults_tp2(m3_engine *e, m3_engine *f2, int l, const m3_request *reqs) {
+    int32_t w[4];
+    m3_cpu_mono_group *g = NULL;
+    m3_cpu_mono *rm[2] = {NULL, NULL};
+    CHECK_OK(m3_cpu_mono_group_create(2, MONO_ROWS, &f2->ranks[0]->cfg, 200, &g));
+    for (int r = 0; r < 2 && g; r++)
+        CHECK_OK(m3_cpu_mono_create(f2->ranks[r]->be, &f2->ranks[r]->cfg, MONO_ROWS,
+                                    f2->ranks[r]->max_blocks, r, g, NULL, &rm[r]));
+    if (!rm[0] || !rm[1]) {
         for (int r = 0; r < 2; r++)
             m3_cpu_mono_free(rm[r]);
         m3_cpu_mono_group_free(g);
-        free(in_h);
-        free(in_r);
-        free(h0);
-        free(r0);
-        free(h1);
-        free(r1);
+        return;
     }
+    CHECK_OK(m3_engine_build(e, reqs, 3, true));
+    for (int r = 0; r < 2; r++)
+        CHECK_OK(m3_engine_build(f2->ranks[r], reqs, 3, true));
+    const m3_step *st = &e->step;
+    size_t n = (size_t)st->rows * e->cfg.hidden_size;
+    uint16_t *in_h = xalloc(n * 2), *in_r = xalloc(n * 2), *h0 = xalloc(n * 2),
+             *r0 = xalloc(n * 2), *h1 = xalloc(n * 2), *r1 = xalloc(n * 2);
+    fill_rand(in_h, (int64_t)n);
+    fill_rand(in_r, (int64_t)n);
+
+    /* only rank 0 runs: its wait expires (200 ms) */
+    memcpy(h0, in_h, n * 2);
+    memcpy(r0, in_r, n * 2);
+    rank_arg a0 = {rm[0], f2->ranks[0], l, false, 1, h0, r0, M3_OK, "", 0};
+    rank_main(&a0);
+    CHECK(a0.st == M3_OK);
+    CHECK(fault_code(rm[0], w) == M3_MONO_FAULT_PEER_WAIT && w[1] == l && w[3] == 1);
+    CHECK(a0.seconds >= 0.15 && a0.seconds < 5.0);
+    CHECK(fault_code(rm[1], w) == 0); /* a peer's word is its own */
+    m3_cpu_mono_clear_fault(rm[0]);
+
+    /* rank 0 waits (the timeout now long); rank 1 aborts from another
+     * thread: rank 0's wait ends, both words say ABORTED */
+    m3_cpu_mono_group_free(g); /* a group with a long timeout, same executors' shapes */
+    g = NULL;
+    m3_cpu_mono_free(rm[0]);
+    m3_cpu_mono_free(rm[1]);
+    rm[0] = rm[1] = NULL;
+    CHECK_OK(m3_cpu_mono_group_create(2, MONO_ROWS, &f2->ranks[0]->cfg, 30000, &g));
+    for (int r = 0; r < 2 && g; r++)
+        CHECK_OK(m3_cpu_mono_create(f2->ranks[r]->be, &f2->ranks[r]->cfg, MONO_ROWS,
+                                    f2->ranks[r]->max_blocks, r, g, NULL, &rm[r]));
+    if (rm[0] && rm[1]) {
+        memcpy(h0, in_h, n * 2);
+        memcpy(r0, in_r, n * 2);
+        a0 = (rank_arg){rm[0], f2->ranks[0], l, false, 2, h0, r0, M3_OK, "", 0};
+        abort_arg ab = {rm[1], 100};
+        pthread_t th;
+        bool started = pthread_create(&th, NULL, abort_main, &ab) == 0;
+        CHECK(started);
+        rank_main(&a0);
+        if (started)
+            pthread_join(th, NULL);
+        CHECK(a0.st == M3_OK);
+        CHECK(fault_code(rm[0], w) == M3_MONO_FAULT_ABORTED && w[3] == 1);
+        CHECK(fault_code(rm[1], w) == M3_MONO_FAULT_ABORTED);
+        CHECK(a0.seconds >= 0.05 && a0.seconds < 10.0);
+        m3_cpu_mono_clear_fault(rm[0]);
+        m3_cpu_mono_clear_fault(rm[1]);
+
+        /* both ranks, later epochs: exact again (stale tags and data in
+         * the peer buffers need no clearing) */
+        memcpy(e->s.hidden, in_h, n * 2);
+        memcpy(e->s.residual, in_r, n * 2);
+        CHECK_OK(m3_stock_layer(e, st, l, false));
+        for (uint32_t ep = 3; ep < 5; ep++) {
+            memcpy(h0, in_h, n * 2);
+            memcpy(r0, in_r, n * 2);
+            memcpy(h1, in_h, n * 2);
+            memcpy(r1, in_r, n * 2);
+            rank_arg args[2] = {{rm[0], f2->ranks[0], l, false, ep, h0, r0, M3_OK, "", 0},
+                                {rm[1], f2->ranks[1], l, false, ep, h1, r1, M3_OK, "", 0}};
+            run_ranks(args, 2);
+            CHECK(args[0].st == M3_OK && args[1].st == M3_OK);
+            CHECK(fault_code(rm[0], w) == 0 && fault_code(rm[1], w) == 0);
+            CHECK(same_rows(st, h0, e->s.hidden, (size_t)e->cfg.hidden_size));
+            CHECK(same_rows(st, h1, e->s.hidden, (size_t)e->cfg.hidden_size));
+            CHECK(same_rows(st, r0, e->s.residual, (size_t)e->cfg.hidden_size));
+            CHECK(same_rows(st, r1, e->s.residual, (size_t)e->cfg.hidden_size));
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        m3_cpu_mono_free(rm[r]);
+    m3_cpu_mono_group_free(g);
+    free(in_h);
+    free(in_r);
+    free(h0);
+    free(r0);
+    free(h1);
+    free(r1);
+}
+
+static void test_faults(model_case *mc) {
+    m3_engine *e = make_engine(mc->model, 1, 2);
+    m3_engine *f2 = make_engine(mc->model, 2, 2);
+    CHECK(e && f2);
+    if (!e || !f2) {
+        m3_engine_free(e);
+        m3_engine_free(f2);
+        return;
+    }
+    int l = 1; /* tiny: layer 1 is sparse MoE */
+    m3_seq seqs[3];
+    for (int i = 0; i < 3; i++) {
+        CHECK_OK(m3_seq_create(e, &seqs[i]));
+        random_seq(e, seqs[i], 400 + 37 * i);
+        m3_seq s;
+        CHECK_OK(m3_seq_create(f2, &s));
+        for (int r = 0; r < 2; r++)
+            copy_to_rank(e, f2->ranks[r], r, 2, s);
+    }
+    int32_t tok[3] = {1, 2, 3};
+    m3_request reqs[3] = {{seqs[0], &tok[0], 1}, {seqs[1], &tok[1], 1}, {seqs[2], &tok[2], 1}};
+    m3_cpu_mono *m = NULL;
+    CHECK_OK(m3_cpu_mono_create(e->be, &e->cfg, MONO_ROWS, e->max_blocks, 0, NULL, NULL, &m));
+    if (!m)
+        goto done;
+
+    faults_world1(m, e, l, reqs);
+    faults_bad_args(m, e, l, seqs[0]);
+    faults_tp2(e, f2, l, reqs);
 done:
     m3_cpu_mono_free(m);
     m3_engine_free(e);
