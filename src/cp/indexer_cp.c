@@ -211,6 +211,16 @@ m3_status m3_cp_context_scores(const m3_cp_score_inputs *in, int64_t max_seq_len
     if (max_seq_len < 1 || max_seq_len > INT32_MAX)
         return m3_fail(M3_ERR_INVALID_ARG, "CP scores: max_seq_len %" PRId64 " outside [1, 2^31)",
                        max_seq_len);
+    /* the full input check is m3_cp_check_context_score_inputs, once, off
+     * the hot path; the widths the loops below index by are checked here */
+    if (q->ndim != 3 || q->ne[2] != M3_CP_DIM || ic->ndim != 3 || ic->ne[1] != M3_CP_BLOCK ||
+        ic->ne[2] != M3_CP_DIM || ln->ndim != 1 || bt->ndim != 2)
+        return m3_fail(M3_ERR_INVALID_ARG,
+                       "CP scores: queries [tokens, heads, %d], index cache [pages, %d, %d], "
+                       "lengths 1-D and a 2-D block table are required (got query dim %" PRId64
+                       ", cache [%" PRId64 ", %" PRId64 "])",
+                       M3_CP_DIM, M3_CP_BLOCK, M3_CP_DIM, q->ndim == 3 ? q->ne[2] : -1,
+                       ic->ndim == 3 ? ic->ne[1] : -1, ic->ndim == 3 ? ic->ne[2] : -1);
     int64_t batch = ln->ne[0], tokens = q->ne[0], heads = q->ne[1];
     int64_t blocks = m3_cp_global_blocks(max_seq_len), local = cdiv64(blocks, world);
     if (tokens != batch * query_len)

@@ -12,10 +12,12 @@
 
 #include "core/pool.h"
 #include "core/status.h"
+#include "cp/indexer_cp.h"
 #include "cpu/cpu_mono.h"
 #include "cuda/cuda_comm.h"
 #include "decode/engine.h"
 #include "mono/mono.h"
+#include "model/config_json.h"
 #include "model/shard.h"
 
 m3_engine_opts m3_engine_defaults(void) {
@@ -360,6 +362,12 @@ m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engin
         st = m3_fail(M3_ERR_UNSUPPORTED, "--indexer-cp with --device cuda and --tp 1: indexer "
                      "context parallelism splits block scoring over GPU ranks; give --tp 2 or "
                      "more");
+    /* the context-parallel scorer is SPEC §6's: 128-dim index heads */
+    if (!st && o.indexer_cp && m3_config_count_sparse(&model->cfg) &&
+        model->cfg.index_dim != M3_CP_DIM)
+        st = m3_fail(M3_ERR_UNSUPPORTED, "--indexer-cp needs sparse_index_dim = %d (the "
+                     "context-parallel block scorer's width), and the model has %d",
+                     M3_CP_DIM, model->cfg.index_dim);
     if (!st && o.indexer_cp && tp > model->cfg.num_kv_heads)
         st = m3_fail(M3_ERR_UNSUPPORTED, "--indexer-cp with tp = %d: each rank must own its own "
                      "index head, and the model has %d", tp, model->cfg.num_kv_heads);

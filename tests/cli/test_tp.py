@@ -132,6 +132,25 @@ def check_refused_cp(m3, model):
     print("--tp 4 --indexer-cp refused: %s" % res.stderr.strip().splitlines()[-1])
 
 
+def check_refused_cp_dim(m3, work):
+    """--indexer-cp scores 128-dim index heads (SPEC §6): another index dim
+    is refused at engine creation, not scored wrongly."""
+    cfg = json.loads(json.dumps(FLAT_CONFIG))
+    cfg["sparse_attention_config"]["sparse_index_dim"] = 64
+    path = os.path.join(work, "index64_config.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    model = os.path.join(work, "index64")
+    run([m3, "synth", "--config", path, "--seed", "15", "--out", model])
+    res = run([m3, "generate", "--model", model, "--prompt-ids", "1,2,3", "--tp", "2",
+               "--indexer-cp"], expect_ok=False)
+    if res.returncode != 1 or "sparse_index_dim = 128" not in res.stderr or \
+            "has 64" not in res.stderr:
+        sys.exit("FAILED: --indexer-cp with index dim 64: rc %d: %s" %
+                 (res.returncode, res.stderr))
+    print("--indexer-cp with index dim 64 refused: %s" % res.stderr.strip().splitlines()[-1])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m3", required=True)
@@ -162,6 +181,7 @@ def main():
     check_refused(m3, models["flat"], 4, ["tp = 4", "num_attention_heads = 6"])
     check_refused(m3, models["flat"], 5, ["tp = 5"])
     check_refused_cp(m3, models["tiny"])
+    check_refused_cp_dim(m3, a.work)
     check_refused(m3, models["tiny_mxfp8"], 8, ["tp = 8"])
     print("ok")
 

@@ -407,6 +407,15 @@ static void test_call_checks(void) {
     in2.q_device = in2.icache_device = in2.table_device = in2.lens_device = 0;
     CHECK_FAILS(m3_cp_context_scores(&in2, MAX_SEQ, 0, 1, 2, s, &out), M3_ERR_UNSUPPORTED,
                 "need host inputs, got device 0");
+    /* index heads of another width than the scorer's 128: refused, not read */
+    in2 = in;
+    in2.q.ne[2] = 64;
+    CHECK_FAILS(m3_cp_context_scores(&in2, MAX_SEQ, 0, 1, 2, s, &out), M3_ERR_INVALID_ARG,
+                "got query dim 64");
+    in2 = in;
+    in2.icache.ne[2] = 64;
+    CHECK_FAILS(m3_cp_context_scores(&in2, MAX_SEQ, 0, 1, 2, s, &out), M3_ERR_INVALID_ARG,
+                "cache [128, 64]");
     /* lengths past max_seq_len, negative */
     CHECK_FAILS(m3_cp_context_scores(&in, 1400, 0, 1, 2, s, &out), M3_ERR_INVALID_ARG,
                 "request 3: length 1500 outside [0, max_seq_len 1400]");
