@@ -15,6 +15,17 @@ returns the logits every generated token was chosen from. Checked:
 - the engine's logits do not depend on thread count or prefill chunk size
   (bitwise).
 
+Then RANDOM_CONFIGS configs drawn at random from the space SPEC 2.1 allows
+(head and index dims, GQA groups, partial RoPE, the layers' mix of dense and
+sparse attention, MoE and dense MLPs, expert counts and top-k, shared
+expert, routing bias, forced blocks, tied embeddings, nested or flat
+config.json, MXFP8 weights), each checked the same way against the
+reference, and the engine's other modes against its own logits bit for bit:
+`--decode stock` (the default is auto: mono where the plan allows) and
+`--tp 2` / `--tp 2 --indexer-cp` where the shapes split (a clean refusal,
+M3_ERR_UNSUPPORTED, is accepted where they do not). M3_TEST_SEED varies the
+draw (printed for reproduction).
+
 Run by ctest as: test_reference.py --m3 build/m3 --work DIR
 """
 import argparse
@@ -81,6 +92,134 @@ OTHER_CONFIG = {
 }
 
 
+RANDOM_CONFIGS = 4
+N_GEN_RANDOM = 8
+
+
+def random_config(rng):
+    """A config.json inside SPEC 2.1's space that the engine runs (forced blocks
+    within the top-k; MXFP8 needs K dims divisible by 32, so its widths are)."""
+    kv = rng.choice([1, 2, 3, 4])
+    group = rng.choice([1, 2, 3, 4])
+    head_dim = rng.choice([32, 64, 128])
+    rotary = rng.choice([16, head_dim // 2, head_dim])
+    layers = rng.randint(1, 5)
+    moe = [rng.randint(0, 1) for _ in range(layers)]
+    sparse = [rng.randint(0, 1) for _ in range(layers)]
+    if rng.random() < 0.7:  # trailing sparse MoE layers: the mono path's range
+        for i in range(rng.randint(0, layers - 1), layers):
+            moe[i] = sparse[i] = 1
+    experts = rng.randint(2, 9)
+    topk = rng.randint(1, 4)
+    init = rng.randint(0, min(2, topk))
+    local = rng.randint(0, min(2, topk - init))
+    shared = rng.choice([0, 1])
+    c = {
+        "model_type": "minimax_m3",
+        "hidden_size": rng.choice([64, 96, 128, 160, 192, 256]),
+        "num_hidden_layers": layers,
+        "num_attention_heads": kv * group,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "rotary_dim": rotary,
+        "rope_theta": rng.choice([1e4, 1e5, 5e6]),
+        "vocab_size": rng.randint(130, 350) * (2 if rng.random() < 0.8 else 1) + 128,
+        "intermediate_size": rng.choice([32, 64, 96, 192]),
+        "dense_intermediate_size": rng.choice([64, 96, 192, 256]),
+        "shared_intermediate_size": rng.choice([32, 96]) if shared else 0,
+        "n_shared_experts": shared,
+        "num_local_experts": experts,
+        "num_experts_per_tok": rng.randint(1, experts),
+        "moe_layer_freq": moe,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": rng.choice([True, False]),
+        "routed_scaling_factor": rng.choice([1.0, 2.0, 2.5]),
+        "hidden_act": "swigluoai",
+        "swiglu_alpha": rng.choice([1.702, 1.2]),
+        "swiglu_limit": rng.choice([7.0, 3.0]),
+        "rms_norm_eps": rng.choice([1e-6, 1e-5]),
+        "use_gemma_norm": True,
+        "qk_norm_type": "per_head",
+        "tie_word_embeddings": rng.choice([True, False]),
+        "max_position_embeddings": 8192,
+        "sparse_attention_config": {
+            "use_sparse_attention": True,
+            "sparse_attention_freq": sparse,
+            "sparse_disable_index_value": sparse,
+            "sparse_num_index_heads": kv,
+            "sparse_index_dim": rng.choice([d for d in (32, 64, 128) if d >= rotary]),
+            "sparse_block_size": 128,
+            "sparse_topk_blocks": topk,
+            "sparse_init_block": init,
+            "sparse_local_block": local,
+            "sparse_score_type": "max",
+        },
+    }
+    if rng.random() < 0.3:
+        c = {"model_type": "minimax_m3_vl",
+             "architectures": ["MiniMaxM3SparseForConditionalGeneration"], "text_config": c}
+    return c
+
+
+def check_random_config(m3, work, seed):
+    rng = random.Random(seed)
+    cfg = random_config(rng)
+    text = cfg.get("text_config", cfg)
+    name = f"random{seed}"
+    path = os.path.join(work, name + ".json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    model = os.path.join(work, name)
+    mxfp8 = rng.random() < 0.25 and text["hidden_size"] % 32 == 0
+    run([m3, "synth", "--config", path, "--seed", str(seed), "--out", model]
+        + (["--mxfp8"] if mxfp8 else []))
+    sc = text["sparse_attention_config"]
+    print(f"{name}: {text['num_hidden_layers']} layers, {text['num_attention_heads']}/"
+          f"{text['num_key_value_heads']} heads of {text['head_dim']} (rotary "
+          f"{text['rotary_dim']}), hidden {text['hidden_size']}, experts "
+          f"{text['num_experts_per_tok']}/{text['num_local_experts']}, moe {text['moe_layer_freq']}, "
+          f"sparse {sc['sparse_attention_freq']}, top-{sc['sparse_topk_blocks']} "
+          f"(init {sc['sparse_init_block']}, local {sc['sparse_local_block']})"
+          f"{', mxfp8' if mxfp8 else ''}")
+    V = text["vocab_size"]
+    n_prompt = rng.randint(200, 700)
+    prompt = [rng.randrange(V) for _ in range(n_prompt)]
+    chunk = str(rng.choice([37, 128, 256]))
+    common = ["--max-rows", chunk, "--threads", "2"]
+    res = run([m3, "generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
+               "--max-tokens", str(N_GEN_RANDOM), "--ignore-eos", "--json",
+               "--dump-logits", os.path.join(work, name + ".npy"), *common])
+    out = json.loads(res.stdout)
+    tokens, logits = out["tokens"], np.load(os.path.join(work, name + ".npy"))
+    ref = reference(model, prompt + tokens[:-1], n_prompt, os.path.join(work, name + "_ref.npy"))
+    rel = np.linalg.norm(logits - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    failures = []
+    if not rel.max() <= REL_BOUND or np.argmax(ref, axis=1).tolist() != tokens:
+        failures.append(f"{name}: relative error {rel.max():.3g}, tokens {tokens} vs "
+                        f"reference {np.argmax(ref, axis=1).tolist()}")
+    modes = [("stock", ["--decode", "stock"]), ("tp2", ["--tp", "2"]),
+             ("tp2-cp", ["--tp", "2", "--indexer-cp"])]
+    ran = []
+    for mode, extra in modes:
+        dump = os.path.join(work, f"{name}_{mode}.npy")
+        r = subprocess.run([m3, "generate", "--model", model, "--prompt-ids",
+                            ",".join(map(str, prompt)), "--max-tokens", str(N_GEN_RANDOM),
+                            "--ignore-eos", "--json", "--dump-logits", dump, *common, *extra],
+                           capture_output=True, text=True, timeout=900)
+        if r.returncode == 1 and "M3_ERR_UNSUPPORTED" in r.stderr:
+            continue  # the shapes do not split this way: refused cleanly
+        if r.returncode != 0:
+            failures.append(f"{name} {mode}: exit {r.returncode}: {r.stderr.strip()[:300]}")
+            continue
+        ran.append(mode)
+        if json.loads(r.stdout)["tokens"] != tokens or not np.array_equal(np.load(dump), logits):
+            failures.append(f"{name} {mode}: logits differ from the default run's")
+    print(f"{name}: relative L2 error {rel.max():.3g}, {out.get('mono_steps', 0)} mono steps; "
+          f"bitwise equal: {', '.join(ran) if ran else 'no other mode ran'}"
+          )
+    return failures
+
+
 def run(cmd, **kw):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kw)
     if res.returncode != 0:
@@ -135,7 +274,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m3", required=True)
     ap.add_argument("--work", required=True)
-    ap.add_argument("--quick", action="store_true", help="accepted for the sanitizer build; runs in full")
+    ap.add_argument("--quick", action="store_true",
+                    help="the sanitizer build: every fixed model, half the random configs")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     m3, work = args.m3, args.work
@@ -157,6 +297,10 @@ def main():
     failures = []
     for name, path, vocab in models:
         failures += check_model(m3, work, name, path, vocab)
+    base = int(os.environ.get("M3_TEST_SEED", "0"), 0)
+    print(f"random configs: seed {base} (set M3_TEST_SEED to vary)")
+    for i in range(RANDOM_CONFIGS // 2 if args.quick else RANDOM_CONFIGS):
+        failures += check_random_config(m3, work, base * 1000 + i)
     for f in failures:
         print("FAIL:", f)
     print("reference comparison:", "FAILED" if failures else "passed")
