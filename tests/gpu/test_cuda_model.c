@@ -1,6 +1,8 @@
 /*
  * Whole-model GPU-vs-CPU tests through the public engine API (SPEC §8).
- * For each of the `tiny` and `small` presets, a checkpoint is synthesized
+ * For each of the `tiny` and `small` presets and two configs unlike any
+ * preset (other_config: `odd`, head_dim 128 so the fused kernels take it,
+ * and `hd64`, head_dim 64, stock path only), a checkpoint is synthesized
  * (m3_synth) into a temporary folder and loaded; a CPU engine (the
  * reference, stock path), a CUDA engine replaying decode steps from graphs
  * and a CUDA engine without graphs run it, all of it twice: the CUDA
@@ -44,8 +46,8 @@
  *       graphs were captured.
  *
  * One line per check as it completes, then a summary table; exit 1 on a
- * failure (warnings do not fail). M3_TEST_PRESET=tiny|small runs one
- * preset, M3_TEST_SEED varies the inputs. Without a usable CUDA device:
+ * failure (warnings do not fail). M3_TEST_PRESET=tiny|small|odd|hd64 runs
+ * one model, M3_TEST_SEED varies the inputs. Without a usable CUDA device:
  * "SKIP: no CUDA device: <reason>", exit 77.
  */
 #include <dirent.h>
@@ -641,12 +643,75 @@ static m3_status make_engine(m3_model *m, m3_device dev, bool graphs, m3_decode_
     return m3_engine_create(m, &o, out);
 }
 
+/* Configs unlike any preset, so the CUDA paths meet the shapes SPEC §2
+ * allows beyond the presets' (configs of this kind run on the CPU against
+ * the numpy reference in tests/cli/test_reference.py, which draws them at
+ * random):
+ * 3 query heads per KV head, partial RoPE of 32 dims, dense attention with
+ * MoE (layer 0) and sparse attention with a dense MLP (layer 1) before two
+ * sparse MoE layers, top-3 of 6 experts without a shared expert or routing
+ * bias, another routed scale and other SwiGLU constants, tied embeddings,
+ * top-2 blocks with one init block and no local block. `odd` keeps
+ * head_dim 128 and a hidden size of 512 (the fused kernels take head_dim
+ * 128 and multiples of 256 only); `hd64` has head and index dims of 64,
+ * hidden 192 and 2 query heads per KV head, which only the stock path
+ * runs. */
+static m3_status other_config(const char *name, m3_config *c) {
+    M3_TRY(m3_preset("tiny", c));
+    c->hidden_size = 512; /* the fused kernels take multiples of 256 */
+    c->num_layers = 4;
+    c->num_q_heads = 6;
+    c->num_kv_heads = 2;
+    c->index_heads = 2;
+    c->rotary_dim = 32;
+    c->rope_theta = 10000.0;
+    c->vocab_size = 300;
+    c->expert_dim = 96;
+    c->dense_dim = 320;
+    c->shared_dim = 0;
+    c->num_experts = 6;
+    c->experts_per_tok = 3;
+    c->use_routing_bias = false;
+    c->routed_scaling_factor = 1.5f;
+    c->swiglu_alpha = 1.5f;
+    c->swiglu_limit = 5.0f;
+    c->rms_norm_eps = 1e-5f;
+    c->tie_word_embeddings = true;
+    c->topk_blocks = 2;
+    c->init_blocks = 1;
+    c->local_blocks = 0;
+    static const bool sparse[4] = {false, true, true, true}, moe[4] = {true, false, true, true};
+    memset(c->layer_sparse, 0, sizeof c->layer_sparse);
+    memset(c->layer_moe, 0, sizeof c->layer_moe);
+    memcpy(c->layer_sparse, sparse, sizeof sparse);
+    memcpy(c->layer_moe, moe, sizeof moe);
+    c->num_eos = 1;
+    c->eos_ids[0] = 299;
+    if (!strcmp(name, "hd64")) {
+        c->hidden_size = 192;
+        c->num_q_heads = 4;
+        c->head_dim = 64;
+        c->index_dim = 64;
+    } else if (strcmp(name, "odd")) {
+        return m3_fail(M3_ERR_INVALID_ARG, "no test config named %s", name);
+    }
+    return M3_OK;
+}
+
+static bool is_preset(const char *name) { return !strcmp(name, "tiny") || !strcmp(name, "small"); }
+
 /* Synthesize, load, and create the three engines. */
 static bool setup(ctx *c, uint64_t *rng) {
     const char *t = "setup";
-    if (!ok(c, t, gpu_synth_model(c->preset, "model", gpu_rng_next(rng), c->dir, sizeof c->dir,
-                                  &c->cfg, &c->model),
-            "synthesizing the model"))
+    m3_config want;
+    m3_status st = is_preset(c->preset)
+                       ? gpu_synth_model(c->preset, "model", gpu_rng_next(rng), c->dir,
+                                         sizeof c->dir, &c->cfg, &c->model)
+                       : other_config(c->preset, &want);
+    if (!st && !is_preset(c->preset))
+        st = gpu_synth_config(&want, c->preset, "model", gpu_rng_next(rng), c->dir,
+                              sizeof c->dir, &c->cfg, &c->model);
+    if (!ok(c, t, st, "synthesizing the model"))
         return false;
     c->V = c->cfg.vocab_size;
     for (int i = 0; i < PROMPT; i++)
@@ -700,6 +765,40 @@ static void run_preset(const char *preset, m3_decode_path decode, uint64_t *rng)
     free(c);
 }
 
+/* hd64 on the CUDA mono path: --decode mono is refused with the reason
+ * (the fused kernels take head_dim 128 only); auto runs stock and keeps the
+ * reason */
+static void mono_refusal_case(uint64_t *rng) {
+    ctx *c = calloc(1, sizeof *c);
+    if (!c)
+        exit(1);
+    c->preset = "hd64";
+    c->label = "hd64/mono";
+    const char *t = "mono refused (head_dim 64)";
+    m3_config want;
+    m3_engine *e = NULL;
+    if (ok(c, t, other_config(c->preset, &want), "config") &&
+        ok(c, t, gpu_synth_config(&want, c->preset, "refusal", gpu_rng_next(rng), c->dir,
+                                  sizeof c->dir, &c->cfg, &c->model),
+           "synthesizing the model")) {
+        m3_status st = make_engine(c->model, M3_DEVICE_CUDA, true, M3_DECODE_MONO, &e);
+        bool refused = st == M3_ERR_UNSUPPORTED && !e && strstr(m3_last_error(), "head_dim");
+        char why[96];
+        snprintf(why, sizeof why, "%s", st ? m3_last_error() : "accepted");
+        m3_engine_free(e);
+        e = NULL;
+        bool auto_ok = ok(c, t, make_engine(c->model, M3_DEVICE_CUDA, true, M3_DECODE_AUTO, &e),
+                          "auto engine") &&
+                       strstr(m3_engine_mono_refusal(e), "head_dim");
+        record(c, t, "refused", refused && auto_ok ? "PASS" : "FAIL",
+               "mono: %s \"%.60s\"; auto: %s", m3_status_name(st), why,
+               auto_ok ? "runs stock, reason kept" : "NO reason kept");
+    }
+    m3_engine_free(e);
+    teardown(c);
+    free(c);
+}
+
 int main(void) {
     int probe = gpu_probe("test_cuda_model");
     if (probe)
@@ -709,7 +808,7 @@ int main(void) {
            (unsigned long long)rng, TOL_LOGITS);
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    /* M3_TEST_PRESET=tiny|small runs one preset (for debugging) */
+    /* M3_TEST_PRESET=tiny|small|odd|hd64 runs one model (for debugging) */
     const char *only = getenv("M3_TEST_PRESET");
     /* each preset with the CUDA engines on the stock path, then on the mono
      * path (M3_TEST_DECODE=stock|mono runs one) */
@@ -722,6 +821,12 @@ int main(void) {
             run_preset("tiny", path, &rng);
         if (!only || !strcmp(only, "small"))
             run_preset("small", path, &rng);
+        if (!only || !strcmp(only, "odd"))
+            run_preset("odd", path, &rng);
+        if ((!only || !strcmp(only, "hd64")) && path == M3_DECODE_STOCK)
+            run_preset("hd64", path, &rng); /* head_dim 64: the fused kernels refuse it */
+        if ((!only || !strcmp(only, "hd64")) && path == M3_DECODE_MONO)
+            mono_refusal_case(&rng);
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     printf("\n%-6s %-34s %-70s %-9s %s\n", "preset", "check", "result", "bound", "verdict");
