@@ -10,8 +10,13 @@
   table labels it with its flags, and `run --test-all` runs every build's
   tests where `--test` runs the working tree's only.
 
-Run by ctest as: test_tools.py --m3 build/m3 --work DIR [--quick] (the m3
-binary is not used).
+- tests/gpu/cuda_configs.py with `--device cpu` (the CPU engine on both
+  sides: every check passes, a mono refusal counts as a pass) and its
+  comparison rule on made-up logits: equal tokens within the bound pass, a
+  parting at a near-tie warns, at a clear margin or beyond the bound fails.
+
+Run by ctest as: test_tools.py --m3 build/m3 --work DIR [--quick] (m3 is
+used by the cuda_configs.py check only).
 """
 import argparse
 import os
@@ -129,6 +134,37 @@ def check_gpu_ab(work):
             fail("gpu-ab: build flags %s, expected %s" % (flags, want))
 
 
+def check_cuda_configs(m3, work, quick):
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    import numpy as np
+    import cuda_configs as C
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((4, 50)).astype(np.float32)
+    order = np.argsort(logits[2])
+    logits[2, order[-2]] = logits[2, order[-1]] - 1e-5  # a near-tie at row 2
+    toks = [int(t) for t in np.argmax(logits, axis=1)]
+    near = list(toks)
+    near[2] = int(order[-2])
+    clear = list(toks)
+    clear[1] = (toks[1] + 1) % 50
+    cases = [("equal", toks, logits + 1e-4, "PASS"), ("near-tie", near, logits + 1e-4, "WARN"),
+             ("clear margin", clear, logits + 1e-4, "FAIL"),
+             ("beyond the bound", toks, logits * 1.5, "FAIL"),
+             ("short", toks[:3], logits[:3], "FAIL")]
+    for name, got, got_logits, want in cases:
+        verdict, text = C.compare(toks, logits, got, got_logits)
+        if verdict != want:
+            fail("cuda_configs.compare, %s: %s (%s), expected %s" % (name, verdict, text, want))
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu", "cuda_configs.py"),
+                          "--m3", m3, "--work", os.path.join(work, "cuda_configs"),
+                          "--device", "cpu", "--count", "1" if quick else "2"],
+                         capture_output=True, text=True, timeout=900)
+    if res.returncode != 0 or "0 failed, 0 warnings" not in res.stdout:
+        fail("cuda_configs.py --device cpu: exit %d\n%s%s" % (res.returncode, res.stdout,
+                                                             res.stderr))
+    print(res.stdout.strip().splitlines()[-1])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m3")
@@ -138,6 +174,8 @@ def main():
     os.makedirs(args.work, exist_ok=True)
     check_mono_trace(args.work)
     check_gpu_ab(args.work)
+    if args.m3:
+        check_cuda_configs(os.path.abspath(args.m3), args.work, args.quick)
     print("test_tools: passed")
 
 
