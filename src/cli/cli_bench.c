@@ -26,8 +26,9 @@ static void bench_usage(FILE *f) {
             "                  mono, stock-cp (the stock path with indexer context\n"
             "                  parallelism: --tp 2 or more; a rank's floor counts its share\n"
             "                  of the index cache)\n"
-            "  --preset NAME   a preset (e.g. m3-tp4-rank) cut to --layers (default 4),\n"
-            "                  synthesized on first use into the model cache\n"
+            "  --preset NAME   a preset (e.g. m3-tp4-rank) cut to --layers (default 4, or\n"
+            "                  all of a smaller preset's), synthesized on first use into\n"
+            "                  the model cache\n"
             "  --layer L       the layer to time (default: the first sparse MoE layer)\n"
             "  --iters N       timed graph replays per point (default 50)\n"
             "  --tp N          tensor parallel over GPUs --gpu .. --gpu + N - 1: the time is\n"
@@ -368,14 +369,20 @@ int cmd_bench(int argc, char **argv) {
     o.contexts[1] = 32768;
     o.contexts[2] = 131072;
     const char *preset = NULL;
-    int64_t layers = 4;
+    int64_t layers = 0; /* not given: 4, or all of a smaller preset's */
     bool json = false;
     int rc = parse_args(argc, argv, &o, &preset, &layers, &json);
     if (rc)
         return rc < 0 ? CLI_OK : rc;
     char dir[4096];
     if (preset) {
-        m3_status st = cli_cached_preset(preset, (int)layers, dir, sizeof dir);
+        m3_config pc;
+        m3_status st = m3_preset(preset, &pc);
+        if (st)
+            return cli_report("bench", st);
+        if (!layers)
+            layers = pc.num_layers > 4 ? 4 : 0;
+        st = cli_cached_preset(preset, (int)layers, dir, sizeof dir);
         if (st)
             return cli_report("bench", st);
         o.model_dir = dir;

@@ -243,6 +243,21 @@ def bench_indexer_without_gpu():
 
 
 @case
+def bench_layer_small_preset():
+    """A preset of fewer than 4 layers is benchmarked whole (the --layers
+    default is 4 only for larger ones); without a GPU the error is the
+    device's, exit 1."""
+    code, out, err, cmd, dt = run_m3(["bench", "layer", "--preset", "tiny", "--rows", "1",
+                                      "--context", "4096", "--path", "stock", "--iters", "1"])
+    if "layers = 4" in err:
+        raise Failure(f"the default --layers was applied to tiny's 3 layers: {err.strip()}")
+    if code == 0:
+        return
+    if code != 1 or not REPORT_RE.search(err) or any(m in err for m in BAD_MARKERS):
+        raise Failure(f"exit {code}, stderr: {err.strip()[:2000]}\n  command: {shell(cmd)}")
+
+
+@case
 def gen_tp_on_cuda_too_few_gpus():
     # one GPU per rank: refused where fewer than 2 GPUs (or no CUDA build);
     # on a machine with 2 or more it is no bad input (scripts/gpu-check)
