@@ -26,7 +26,11 @@ Without a usable GPU it prints SKIP and exits 77. `--device cpu` runs the
 harness on the CPU engine for both sides (its self-check: everything equal).
 M3_TEST_SEED varies the draw.
 
-Run: tests/gpu/cuda_configs.py --m3 build-gpu/m3 --work DIR [--count N]
+With --tp N the GPU runs are tensor parallel over N GPUs (shapes the ranks
+cannot split are refused, exit 1, and count as passes), against the CPU at
+one rank; the newer-layout check runs at --tp 1 only.
+
+Run: tests/gpu/cuda_configs.py --m3 build-gpu/m3 --work DIR [--count N] [--tp N]
 """
 import argparse
 import json
@@ -101,7 +105,7 @@ def check_layout(m3, work, name, model, prompt, device, runs):
     return out
 
 
-def check_config(m3, work, seed, device, layout=False):
+def check_config(m3, work, seed, device, layout=False, extra_args=()):
     rng = random.Random(seed)
     cfg = random_config(rng)
     text = cfg.get("text_config", cfg)
@@ -139,11 +143,14 @@ def check_config(m3, work, seed, device, layout=False):
                          ("mono", ["--decode", "mono"]),
                          ("mono eager", ["--decode", "mono", "--no-graphs"])]:
         res, got, logits = generate(m3, model, prompt, os.path.join(work, f"{name}_x.npy"),
-                                    ["--device", device, *extra])
+                                    ["--device", device, *extra, *extra_args])
         if got is None:
-            refused = res.returncode == 1 and "M3_ERR_UNSUPPORTED" in res.stderr and \
-                "mono" in res.stderr  # the plan's refusals, or the executor's
-            if label.startswith("mono") and refused:
+            unsupported = res.returncode == 1 and "M3_ERR_UNSUPPORTED" in res.stderr
+            # the mono plan's refusals or the executor's; with --tp, shapes
+            # the ranks cannot split
+            refused = unsupported and (label.startswith("mono") and "mono" in res.stderr or
+                                       bool(extra_args) and "tp = " in res.stderr)
+            if refused:
                 out.append(("PASS", f"{name} {label}: refused: "
                                     f"{res.stderr.strip().splitlines()[-1][:150]}"))
             else:
@@ -159,7 +166,7 @@ def check_config(m3, work, seed, device, layout=False):
         a, b = runs.get(path_), runs.get(path_ + " eager")
         if a and b and (a[0] != b[0] or not np.array_equal(a[1], b[1])):
             out.append(("FAIL", f"{name} {path_}: eager and graph runs differ"))
-    if layout:
+    if layout and not extra_args:
         out += check_layout(m3, work, name, model, prompt, device, runs)
     return out
 
@@ -177,6 +184,8 @@ def main():
     ap.add_argument("--work", required=True)
     ap.add_argument("--count", type=int, default=8)
     ap.add_argument("--device", default="cuda", help="cpu: the harness's self-check")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="the GPU runs at --tp N (GPUs 0 .. N-1); the CPU reference at 1")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     if a.device == "cuda":
@@ -186,11 +195,12 @@ def main():
             return 77
     base = int(os.environ.get("M3_TEST_SEED", "0"), 0)
     print(f"cuda_configs: seed {base} (set M3_TEST_SEED to vary), {a.count} configs, "
-          f"device {a.device}")
+          f"device {a.device}, tp {a.tp}")
     results = []
     for i in range(a.count):
+        extra = ("--tp", str(a.tp)) if a.tp > 1 else ()
         for verdict, text in check_config(a.m3, a.work, base * 1000 + 500 + i, a.device,
-                                          layout=i == 0):
+                                          layout=i == 0, extra_args=extra):
             print(f"  {verdict:4} {text}", flush=True)
             results.append(verdict)
     fails, warns = results.count("FAIL"), results.count("WARN")
