@@ -161,18 +161,28 @@ def random_config(rng):
     return c
 
 
+def synth_config(m3, work, name, cfg, seed, mxfp8):
+    """cfg written to work/name.json and synthesized into work/name: (the
+    model folder, the synth process's result)."""
+    path = os.path.join(work, name + ".json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    model = os.path.join(work, name)
+    res = subprocess.run([m3, "synth", "--config", path, "--seed", str(seed), "--out", model]
+                         + (["--mxfp8"] if mxfp8 else []), capture_output=True, text=True,
+                         timeout=900)
+    return model, res
+
+
 def check_random_config(m3, work, seed):
     rng = random.Random(seed)
     cfg = random_config(rng)
     text = cfg.get("text_config", cfg)
     name = f"random{seed}"
-    path = os.path.join(work, name + ".json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    model = os.path.join(work, name)
     mxfp8 = rng.random() < 0.25 and text["hidden_size"] % 32 == 0
-    run([m3, "synth", "--config", path, "--seed", str(seed), "--out", model]
-        + (["--mxfp8"] if mxfp8 else []))
+    model, res = synth_config(m3, work, name, cfg, seed, mxfp8)
+    if res.returncode != 0:
+        return [f"{name}: synth: exit {res.returncode}: {res.stderr.strip()}"]
     sc = text["sparse_attention_config"]
     print(f"{name}: {text['num_hidden_layers']} layers, {text['num_attention_heads']}/"
           f"{text['num_key_value_heads']} heads of {text['head_dim']} (rotary "

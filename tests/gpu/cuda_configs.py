@@ -44,7 +44,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "cli"))
 from test_layouts import to_newer  # noqa: E402
-from test_reference import random_config  # noqa: E402
+from test_reference import random_config, synth_config  # noqa: E402
 
 N_GEN = 16
 REL_BOUND = 2e-2
@@ -115,13 +115,8 @@ def check_config(m3, work, seed, device, layout=False, extra_args=()):
         text["rotary_dim"] = rng.choice([32, 64, 128])
         text["sparse_attention_config"]["sparse_index_dim"] = 128
     name = f"cfg{seed}"
-    path = os.path.join(work, name + ".json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    model = os.path.join(work, name)
     mxfp8 = rng.random() < 0.25 and text["hidden_size"] % 32 == 0
-    res = subprocess.run([m3, "synth", "--config", path, "--seed", str(seed), "--out", model]
-                         + (["--mxfp8"] if mxfp8 else []), capture_output=True, text=True)
+    model, res = synth_config(m3, work, name, cfg, seed, mxfp8)
     if res.returncode != 0:
         return [("FAIL", f"{name}: synth: {res.stderr.strip()}")]
     sc = text["sparse_attention_config"]
