@@ -185,5 +185,10 @@ m3_status m3_cpu_backend_create(int n_threads, m3_backend **out);
 /* The CUDA backend on GPU `device`; M3_ERR_UNSUPPORTED in a build without
  * CUDA, M3_ERR_DEVICE without a usable GPU. */
 m3_status m3_cuda_backend_create(int device, m3_backend **out);
+/* Whether the CUDA backend's kernels take a model's shapes (cfg: one TP
+ * rank's): M3_ERR_UNSUPPORTED naming every shape they do not (the limits:
+ * cuda/cuda_limits.h). Needs no GPU; M3_OK in a build without CUDA, where
+ * the backend itself is refused. */
+m3_status m3_cuda_check_config(const m3_config *cfg);
 
 #endif

@@ -20,6 +20,11 @@ m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 
+m3_status m3_cuda_check_config(const m3_config *cfg) {
+    (void)cfg;
+    return M3_OK;
+}
+
 m3_status m3_cuda_read_bandwidth(m3_backend *be, size_t bytes, int iters, double *gb_per_s) {
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }

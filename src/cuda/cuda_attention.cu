@@ -427,9 +427,10 @@ extern "C" m3_status m3_cuda_attention(m3_backend *be, const m3_step *step, int 
     if (q_heads <= 0 || kv_heads <= 0 || q_heads % kv_heads != 0)
         return m3_fail(M3_ERR_INVALID_ARG, "attention: %d query heads over %d KV heads", q_heads,
                        kv_heads);
-    if (dim < 32 || dim > 256 || dim % 32 != 0)
+    if (dim < 32 || dim > M3_CUDA_ATTN_DIM_MAX || dim % 32 != 0)
         return m3_fail(M3_ERR_UNSUPPORTED,
-                       "attention: head dim %d is not supported (multiples of 32 up to 256)", dim);
+                       "attention: head dim %d is not supported (multiples of 32 up to %d)", dim,
+                       M3_CUDA_ATTN_DIM_MAX);
     if (selected && topk < 1)
         return m3_fail(M3_ERR_INVALID_ARG, "attention: sparse with top-%d", topk);
     if (step->rows == 0)

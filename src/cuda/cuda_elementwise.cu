@@ -266,8 +266,9 @@ extern "C" m3_status m3_cuda_add_rmsnorm(m3_backend *be, int rows, int dim, cons
     m3_cuda *cu = m3_cuda_of(be);
     if (rows <= 0)
         return M3_OK;
-    if (dim < 1 || dim > 65536)
-        return m3_fail(M3_ERR_UNSUPPORTED, "add_rmsnorm: dim %d is outside [1, 65536]", dim);
+    if (dim < 1 || dim > M3_CUDA_NORM_DIM_MAX)
+        return m3_fail(M3_ERR_UNSUPPORTED, "add_rmsnorm: dim %d is outside [1, %d]", dim,
+                       M3_CUDA_NORM_DIM_MAX);
     if (w->dtype != M3_DT_BF16 || !w->data || m3_tensor_nelem(w) != dim)
         return m3_fail(M3_ERR_INTERNAL, "add_rmsnorm: weight %s is not bf16 [%d]",
                        w->name ? w->name : "?", dim);
@@ -296,8 +297,8 @@ extern "C" m3_status m3_cuda_add_rmsnorm(m3_backend *be, int rows, int dim, cons
 
 /* ------------------------------------------------------------ head norm + RoPE */
 
-#define HNR_MAX_DIM 4096   /* shared memory per CTA stays under 48 KiB */
-#define HNR_MAX_HALF 512   /* rotary_dim <= 1024 (head_dim <= 1024 by config) */
+#define HNR_MAX_DIM M3_CUDA_HNR_MAX_DIM   /* shared memory per CTA stays under 48 KiB */
+#define HNR_MAX_HALF M3_CUDA_HNR_MAX_HALF /* rotary_dim <= 1024 (head_dim <= 1024 by config) */
 #define HNR_THREADS 256
 /* elements (whole heads) per CTA: few rows get more, smaller CTAs (more SMs
  * busy); many rows get larger ones (more loads in flight per SM, fewer

@@ -60,6 +60,10 @@ static size_t idx_smem(int heads, int dim) {
     return (size_t)heads * dim * sizeof(double) + 2 * (size_t)M3_PAGE * idx_row_bytes(dim);
 }
 
+extern "C" bool m3_cuda_index_fits(int heads, int dim) {
+    return idx_smem(heads, dim) <= (size_t)kSmemPerBlockMax;
+}
+
 /* Scores of block b for heads [h0, h0 + HB): every thread its position's
  * dots (positions >= count: -inf, which never wins), then the ordered max
  * over the block and one fp32 multiply by scale. */
@@ -240,9 +244,10 @@ extern "C" m3_status m3_cuda_index_scores(m3_backend *be, const m3_step *step, i
     M3_TRY(check_step(step, "index_scores"));
     if (heads <= 0)
         return m3_fail(M3_ERR_INVALID_ARG, "index_scores: %d heads", heads);
-    if (dim <= 0 || dim % 8 != 0 || dim > 256)
+    if (dim <= 0 || dim % 8 != 0 || dim > M3_CUDA_INDEX_DIM_MAX)
         return m3_fail(M3_ERR_UNSUPPORTED,
-                       "index_scores: index dim %d is not a multiple of 8 in [8, 256]", dim);
+                       "index_scores: index dim %d is not a multiple of 8 in [8, %d]", dim,
+                       M3_CUDA_INDEX_DIM_MAX);
     if (step->rows == 0 || step->max_blocks == 0)
         return M3_OK;
     if (!iq || !icache || !scores)

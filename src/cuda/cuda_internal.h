@@ -31,6 +31,7 @@ extern "C" {
 #include "backend/backend.h"
 #include "core/progress.h"
 #include "core/status.h"
+#include "cuda/cuda_limits.h"
 
 #define M3_CUDA_WORKSPACES 8
 
@@ -121,6 +122,8 @@ m3_status m3_cuda_cache_write(m3_backend *be, int rows, const int64_t *slots, in
 m3_status m3_cuda_swiglu(m3_backend *be, int64_t n, const uint16_t *gate, const uint16_t *up,
                          const m3_swiglu *act, uint16_t *out);
 /* cuda_index.cu */
+/* whether index_scores' staged tiles for heads x dim fit a CTA's shared memory */
+bool m3_cuda_index_fits(int heads, int dim);
 m3_status m3_cuda_index_scores(m3_backend *be, const m3_step *step, int heads, int dim,
                                const uint16_t *iq, const uint16_t *icache, float scale,
                                float *scores);

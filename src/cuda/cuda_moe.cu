@@ -17,7 +17,7 @@
 #include "cuda/cuda_gemv.cuh"
 #include "cuda/cuda_internal.h"
 
-#define MOE_MAX_K 64
+#define MOE_MAX_K M3_CUDA_MOE_MAX_K
 
 /* One CTA per row: keys s + bias in shared memory, k rounds of arg-best
  * over the experts not taken yet (highest key, ties to the lower id; a NaN
@@ -326,12 +326,13 @@ static m3_status check_shapes(const m3_layer_weights *lw, const m3_moe_params *p
     if (p->top_k > MOE_MAX_K || p->top_k > p->num_experts)
         return m3_fail(M3_ERR_UNSUPPORTED, "CUDA MoE: top %d of %d experts (at most %d)",
                        p->top_k, p->num_experts, MOE_MAX_K);
-    if (p->num_experts > 8192)
-        return m3_fail(M3_ERR_UNSUPPORTED, "CUDA MoE: %d experts (at most 8192)", p->num_experts);
-    if (H % 32 || I % 32)
+    if (p->num_experts > M3_CUDA_MOE_MAX_EXPERTS)
+        return m3_fail(M3_ERR_UNSUPPORTED, "CUDA MoE: %d experts (at most %d)", p->num_experts,
+                       M3_CUDA_MOE_MAX_EXPERTS);
+    if (H % M3_CUDA_MOE_ALIGN || I % M3_CUDA_MOE_ALIGN)
         return m3_fail(M3_ERR_UNSUPPORTED,
-                       "CUDA MoE: hidden %lld and expert width %lld must be multiples of 32",
-                       (long long)H, (long long)I);
+                       "CUDA MoE: hidden %lld and expert width %lld must be multiples of %d",
+                       (long long)H, (long long)I, M3_CUDA_MOE_ALIGN);
     return M3_OK;
 }
 

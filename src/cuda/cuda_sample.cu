@@ -42,7 +42,7 @@
 #define SAMPLE_VEC_PER_THREAD 2 /* float4 loads per thread per chunk */
 #define SAMPLE_CHUNK (SAMPLE_THREADS * 4 * SAMPLE_VEC_PER_THREAD) /* 1024 logits per CTA */
 #define SAMPLE_FINAL_THREADS 256
-#define SAMPLE_MAX_VOCAB (1 << 30) /* int ids and offsets never overflow */
+#define SAMPLE_MAX_VOCAB M3_CUDA_SAMPLE_MAX_VOCAB /* int ids and offsets never overflow */
 
 #define GOLDEN 0x9e3779b97f4a7c15ull
 

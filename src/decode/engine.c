@@ -239,6 +239,9 @@ static m3_status create_rank(m3_model *model, const m3_engine_opts *opts, int ra
                               : e->cfg.max_position_embeddings;
     int32_t n_pages = (int32_t)((e->opts.max_tokens + M3_PAGE_TOKENS - 1) / M3_PAGE_TOKENS);
     e->max_blocks = (int)((max_context + M3_PAGE_TOKENS - 1) / M3_PAGE_TOKENS);
+    /* a model the GPU kernels cannot run is refused before any upload */
+    if (!st && e->opts.device == M3_DEVICE_CUDA)
+        st = m3_cuda_check_config(&e->cfg);
     if (!st)
         st = e->opts.device == M3_DEVICE_CUDA ? m3_cuda_backend_create(e->opts.gpu, &e->be)
                                               : m3_cpu_backend_create(e->opts.threads, &e->be);

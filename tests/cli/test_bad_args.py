@@ -12,6 +12,7 @@ report, no hang.
 Usage: test_bad_args.py --m3 PATH_TO_M3 --work SCRATCH_DIR [-k SUBSTRING] [-v]
 Python 3 standard library only.
 """
+import json
 import os
 import shutil
 import stat
@@ -255,6 +256,29 @@ def bench_layer_small_preset():
         return
     if code != 1 or not REPORT_RE.search(err) or any(m in err for m in BAD_MARKERS):
         raise Failure(f"exit {code}, stderr: {err.strip()[:2000]}\n  command: {shell(cmd)}")
+
+
+@case
+def gen_cuda_shapes_refused_before_upload():
+    """A model the CUDA kernels cannot run (head_dim 48) is refused when the
+    engine is created, naming the shape, before the device is touched (so
+    the same message with or without a GPU); a build without CUDA says so."""
+    d = case_dir("gen_cuda_shapes_refused_before_upload")
+    cfg = load_config()
+    cfg["text_config"]["head_dim"] = 48
+    cfg["text_config"]["rotary_dim"] = 24
+    cfg["text_config"].pop("partial_rotary_factor", None)
+    path = os.path.join(d, "config.json.in")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    code, out, err, cmd, dt = run_m3(["synth", "--config", path, "--out", d])
+    if code != 0:
+        raise Failure(f"synth: exit {code}: {err.strip()}\n  command: {shell(cmd)}")
+    if "no CUDA backend" in run_m3(gen_args(H.GOOD, "--device", "cuda"))[2]:
+        expect_fail(gen_args(d, "--device", "cuda"), ["no CUDA backend"], rc=1)
+    else:
+        expect_fail(gen_args(d, "--device", "cuda"),
+                    ["the CUDA backend does not take this model", "head_dim 48"], rc=1)
 
 
 @case

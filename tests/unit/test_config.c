@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "backend/backend.h"
 #include "check.h"
 
 /* ------------------------------------------------------------ JSON texts */
@@ -779,7 +780,42 @@ static void test_load(void) {
     remove(path);
 }
 
+/* The CUDA backend's shape check (m3_cuda_check_config): it needs no GPU,
+ * so a CUDA build checks it here; a build without CUDA has the stub. */
+static void test_cuda_shapes(void) {
+    m3_config c;
+    CHECK_OK(m3_preset("tiny", &c));
+    CHECK_OK(m3_cuda_check_config(&c));
+    CHECK_OK(m3_preset("m3-tp4-rank", &c));
+    CHECK_OK(m3_cuda_check_config(&c));
+#ifdef M3_HAVE_CUDA
+    m3_config bad;
+    CHECK_OK(m3_preset("tiny", &bad));
+    bad.head_dim = 48;
+    CHECK_FAILS(m3_cuda_check_config(&bad), M3_ERR_UNSUPPORTED,
+                "head_dim 48 (attention takes multiples of 32 up to 256)");
+    CHECK_OK(m3_preset("tiny", &bad));
+    bad.index_dim = 12;
+    CHECK_FAILS(m3_cuda_check_config(&bad), M3_ERR_UNSUPPORTED, "sparse_index_dim 12");
+    CHECK_OK(m3_preset("tiny", &bad));
+    bad.expert_dim = 100;
+    bad.experts_per_tok = 65;
+    bad.num_experts = 70;
+    CHECK_FAILS(m3_cuda_check_config(&bad), M3_ERR_UNSUPPORTED, "65 experts per token");
+    CHECK(strstr(m3_last_error(), "expert width 100") != NULL); /* every reason, joined */
+    /* a model without MoE layers: the MoE limits do not apply */
+    CHECK_OK(m3_preset("tiny", &bad));
+    CHECK_OK(m3_config_cut_layers(&bad, 1)); /* tiny's layer 0: dense */
+    bad.hidden_size = 200;
+    CHECK_OK(m3_cuda_check_config(&bad));
+    /* nor the index limits without sparse layers */
+    bad.index_dim = 12;
+    CHECK_OK(m3_cuda_check_config(&bad));
+#endif
+}
+
 int main(void) {
+    test_cuda_shapes();
     test_released_spellings();
     test_defaults();
     test_round_trip();
