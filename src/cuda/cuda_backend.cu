@@ -11,6 +11,10 @@
 
 #include "cuda/cuda_internal.h"
 
+extern "C" {
+#include "model/config_json.h" /* m3_config_count_sparse, _moe */
+}
+
 extern "C" m3_status m3_cuda_error(cudaError_t err, const char *what, const char *file,
                                    int line) {
     cudaGetLastError(); /* clear a sticky launch error so the next call reports its own */
@@ -369,11 +373,7 @@ static void add_reason(char *buf, size_t cap, const char *fmt, ...) {
 
 extern "C" m3_status m3_cuda_check_config(const m3_config *c) {
     char why[1024] = "";
-    bool sparse = false, moe = false;
-    for (int i = 0; i < c->num_layers && i < M3_MAX_LAYERS; i++) {
-        sparse = sparse || c->layer_sparse[i];
-        moe = moe || c->layer_moe[i];
-    }
+    const bool sparse = m3_config_count_sparse(c) > 0, moe = m3_config_count_moe(c) > 0;
     if (c->head_dim < 32 || c->head_dim > M3_CUDA_ATTN_DIM_MAX || c->head_dim % 32)
         add_reason(why, sizeof why, "head_dim %d (attention takes multiples of 32 up to %d)",
                    c->head_dim, M3_CUDA_ATTN_DIM_MAX);

@@ -190,6 +190,25 @@ class St:
         self.items = [[k, dict(v) if isinstance(v, list) else v] for k, v in self.items]
         self.data = raw[8 + n:]
 
+    @classmethod
+    def from_tensors(cls, tensors):
+        """A new file of name -> (dtype, shape, raw bytes), in that order."""
+        st = cls.__new__(cls)
+        st.items, blobs, off = [["__metadata__", {"format": "pt"}]], [], 0
+        for name, (dtype, shape, raw) in tensors.items():
+            st.items.append([name, {"dtype": dtype, "shape": list(shape),
+                                    "data_offsets": [off, off + len(raw)]}])
+            blobs.append(raw)
+            off += len(raw)
+        st.data = b"".join(blobs)
+        return st
+
+    def tensors(self):
+        """name -> (dtype, shape, raw bytes) of every tensor, in header order."""
+        return {k: (v["dtype"], list(v["shape"]),
+                    self.data[v["data_offsets"][0]:v["data_offsets"][1]])
+                for k, v in self.items if k != "__metadata__"}
+
     def get(self, name):
         for k, v in self.items:
             if k == name:

@@ -30,11 +30,12 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 
 import numpy as np
+
+from bad_input_harness import St  # the tests' safetensors codec
 
 
 def fail(msg):
@@ -48,37 +49,6 @@ def run(cmd, ok=True):
     return res
 
 
-def read_safetensors(path):
-    """name -> (dtype, shape, raw bytes)"""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, h in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = h["data_offsets"]
-        out[name] = (h["dtype"], list(h["shape"]), data[a:b])
-    return out
-
-
-def write_safetensors(path, tensors):
-    header, blobs, off = {}, [], 0
-    for name, (dtype, shape, raw) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    header["__metadata__"] = {"format": "pt"}
-    hj = json.dumps(header).encode()
-    hj += b" " * (-len(hj) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hj)))
-        f.write(hj)
-        for b in blobs:
-            f.write(b)
-
-
 def stack(parts):
     """[rows, k] tensors of one dtype -> concatenated rows (fuse) as bytes"""
     dtypes = {p[0] for p in parts}
@@ -88,7 +58,7 @@ def stack(parts):
 
 def to_newer(src, dst, variant):
     """Rewrite the released checkpoint in src into a newer layout in dst."""
-    t = read_safetensors(os.path.join(src, "model.safetensors"))
+    t = St(os.path.join(src, "model.safetensors")).tensors()
     pre = "language_model.model."
     new_pre = "model.language_model." if variant == "hf" else "model."
     out = {}
@@ -143,12 +113,12 @@ def to_newer(src, dst, variant):
         weight_map = {}
         for k, part in enumerate(halves):
             fname = f"model-{k + 1:05d}-of-00002.safetensors"
-            write_safetensors(os.path.join(dst, fname), {n: out[n] for n in part})
+            St.from_tensors({n: out[n] for n in part}).write(os.path.join(dst, fname))
             weight_map.update({n: fname for n in part})
         with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
     else:
-        write_safetensors(os.path.join(dst, "model.safetensors"), out)
+        St.from_tensors(out).write(os.path.join(dst, "model.safetensors"))
 
 
 def fuse(out, new_base, ln, old_base):
@@ -202,11 +172,11 @@ def main():
                   f"{'1' if a.quick else '1 and 2'}")
     # a stacked gate_up_proj of the wrong shape: refused with its name
     bad = os.path.join(a.work, "mxfp8_hf-suffix" if a.quick else "bf16_hf-suffix")
-    t = read_safetensors(os.path.join(bad, "model.safetensors"))
+    t = St(os.path.join(bad, "model.safetensors")).tensors()
     key = next(n for n in t if n.endswith("mlp.experts.gate_up_proj.weight"))
     dtype, shape, raw = t[key]
     t[key] = (dtype, [shape[0], shape[1] // 2, shape[2]], raw[: len(raw) // 2])
-    write_safetensors(os.path.join(bad, "model.safetensors"), t)
+    St.from_tensors(t).write(os.path.join(bad, "model.safetensors"))
     res = run([a.m3, "generate", "--model", bad, "--prompt-ids", "1,2,3"], ok=False)
     if res.returncode != 1 or key not in res.stderr:
         fail(f"a short {key}: exit {res.returncode}: {res.stderr.strip()}")
