@@ -2,7 +2,7 @@
  * The mono path's CUDA executor (cuda/cuda_mono.h) against the stock layer
  * (decode/forward.c m3_stock_layer on the CUDA backend), SPEC §5 and §8.
  *
- * Models: checkpoints synthesized into temporary folders, four variants:
+ * Models: checkpoints synthesized into temporary folders, five variants:
  *   small         the `small` preset (hidden 1024, 32 query / 2 KV heads,
  *                 16 experts top-4, a shared expert, top-4 blocks with one
  *                 init and one local block), bf16
@@ -12,9 +12,12 @@
  *   tiny          the `tiny` preset (hidden 256, 4 query / 2 KV heads: a
  *                 group smaller than the 16-head attention tile, 8 experts
  *                 top-2, top-3 blocks)
+ *   small-top16   `small` with M3's selection, top-16 blocks with no init
+ *                 and one local block, over prompts of 2200..4200 tokens
+ *                 (18-33 pages)
  * Each is loaded into a CUDA engine (graphs off) with 16 sequences
- * prefilled to 600..1500 tokens (never a multiple of 128; more blocks than
- * top-k, so the indexer really selects). The decode steps are built with
+ * prefilled to 600..1500 tokens (small-top16: 2200..4200; never a multiple
+ * of 128; more blocks than top-k, so the indexer really selects). The decode steps are built with
  * m3_engine_build (padded to the graph widths: 3 rows run as 4 with a
  * padded row, 5 as 8), never committed, so every case sees the same
  * contexts.
@@ -101,13 +104,17 @@ typedef struct variant {
     const char *name, *preset;
     bool mxfp8, no_shared;
     int kv_heads, topk, init, local; /* 0: the preset's */
+    int min_len, max_len;            /* the prompts' lengths; 0: 600..1500 */
 } variant;
 
 static const variant k_variants[] = {
-    {"small", "small", false, false, 0, 0, 0, 0},
-    {"small-mxfp8", "small", true, false, 0, 0, 0, 0},
-    {"small-kv4", "small", false, true, 4, 8, 0, 1},
-    {"tiny", "tiny", false, false, 0, 0, 0, 0},
+    {"small", "small", false, false, 0, 0, 0, 0, 0, 0},
+    {"small-mxfp8", "small", true, false, 0, 0, 0, 0, 0, 0},
+    {"small-kv4", "small", false, true, 4, 8, 0, 1, 0, 0},
+    {"tiny", "tiny", false, false, 0, 0, 0, 0, 0, 0},
+    /* M3's selection: top-16 of 18-33 pages (the others keep every page
+     * up to 12), one index head per KV head as on a TP-4 rank */
+    {"small-top16", "small", false, false, 0, 16, 0, 1, 2200, 4200},
 };
 
 /* ------------------------------------------------------------ results */
@@ -829,7 +836,8 @@ static bool setup(ctx *c, uint64_t *rng) {
                                    the executor directly */
     o.max_rows = 512;
     o.max_seqs = NSEQ;
-    o.max_tokens = (int64_t)NSEQ * 1664;
+    int min_len = v->min_len ? v->min_len : 600, max_len = v->max_len ? v->max_len : 1500;
+    o.max_tokens = (int64_t)NSEQ * (max_len + 2 * PAGE);
     if (!ok(c, t, m3_engine_create(c->model, &o, &c->eng), "CUDA engine"))
         return false;
     c->be = c->eng->be;
@@ -837,13 +845,13 @@ static bool setup(ctx *c, uint64_t *rng) {
             m3_cuda_mono_create(c->be, &c->eng->cfg, c->eng->max_blocks, 0, 1, &c->mono),
             "mono create"))
         return false;
-    /* prefill: lengths 600..1500, never a multiple of 128 */
+    /* prefill: lengths min_len..max_len, never a multiple of 128 */
     int V = c->cfg.vocab_size;
     float *logits = gpu_xmalloc((size_t)V * 4);
-    int32_t *prompt = gpu_xmalloc(1600 * 4);
+    int32_t *prompt = gpu_xmalloc((size_t)(max_len + 1) * 4);
     bool good = true;
     for (int i = 0; i < NSEQ && good; i++) {
-        int64_t len = 600 + (i * 577 + 13) % 900;
+        int64_t len = min_len + (i * 577 + 13) % (max_len - min_len);
         if (len % PAGE == 0)
             len++;
         c->lens[i] = len;
