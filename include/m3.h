@@ -204,9 +204,11 @@ typedef struct m3_request {
 } m3_request;
 
 /* Step statistics: steps run by the fused (mono) path and by the stock
- * path, and decode steps replayed from a CUDA graph. */
+ * path, and decode steps replayed from a CUDA graph; the layers a mono step
+ * runs fused, first..last (-1, -1 where the engine has no mono path). */
 typedef struct m3_engine_stats {
     int64_t mono_steps, stock_steps, graph_replays;
+    int mono_first_layer, mono_last_layer;
 } m3_engine_stats;
 m3_engine_stats m3_engine_get_stats(const m3_engine *eng);
 /* With decode auto: why the mono path was refused ("" when it runs, or

@@ -204,6 +204,12 @@ static void print_result(const gen_args *a, const m3_gen_result *r, m3_engine_st
         cJSON_AddNumberToObject(o, "mono_steps", (double)stats.mono_steps);
         cJSON_AddNumberToObject(o, "stock_steps", (double)stats.stock_steps);
         cJSON_AddNumberToObject(o, "graph_replays", (double)stats.graph_replays);
+        if (stats.mono_first_layer >= 0) { /* the layers a mono step fuses */
+            int layers[2] = {stats.mono_first_layer, stats.mono_last_layer};
+            cJSON_AddItemToObject(o, "mono_layers", cJSON_CreateIntArray(layers, 2));
+        } else {
+            cJSON_AddNullToObject(o, "mono_layers");
+        }
         char *text = cJSON_PrintUnformatted(o);
         if (text)
             printf("%s\n", text);

@@ -438,7 +438,11 @@ int64_t m3_engine_max_context(const m3_engine *e) { return lead(e)->cache.max_co
 
 m3_engine_stats m3_engine_get_stats(const m3_engine *e) {
     const m3_engine *l = lead(e);
-    m3_engine_stats s = {l->mono_steps, l->stock_steps, l->graph_replays};
+    m3_engine_stats s = {l->mono_steps, l->stock_steps, l->graph_replays, -1, -1};
+    if (l->mono) {
+        s.mono_first_layer = m3_mono_first_layer(l->mono);
+        s.mono_last_layer = m3_mono_last_layer(l->mono);
+    }
     return s;
 }
 

@@ -111,6 +111,18 @@ m3_status m3_mono_default_config(const m3_engine *eng, int max_rows, m3_mono_con
     if (first == c->num_layers)
         return m3_fail(M3_ERR_UNSUPPORTED, "the mono path runs sparse MoE layers and the last "
                        "layer (%d) is not one", c->num_layers - 1);
+    /* an experiment's knob (docs/PERF.md, tuning): M3_MONO_FIRST_LAYER=n
+     * leaves the range's layers before n to the stock path, e.g. to find the
+     * layer from which the two paths' results part */
+    const char *env = getenv("M3_MONO_FIRST_LAYER");
+    if (env && *env) {
+        char *end;
+        long v = strtol(env, &end, 10);
+        if (*end || v < 0 || v >= c->num_layers)
+            return m3_fail(M3_ERR_INVALID_ARG, "M3_MONO_FIRST_LAYER=%s: not a layer of the model "
+                           "(0..%d)", env, c->num_layers - 1);
+        first = v > first ? (int)v : first;
+    }
     out->first_layer = first;
     out->last_layer = c->num_layers - 1;
     out->max_rows = max_rows > 0 ? max_rows : M3_CUDA_MONO_MAX_ROWS;

@@ -48,8 +48,9 @@ def check_model(m3, work, name, model, vocab):
     rng = random.Random(name)
     prompt = [rng.randrange(vocab) for _ in range(N_PROMPT)]
     ref, ref_logits, _ = generate(m3, model, prompt, "stock", 1, os.path.join(work, name + "_s.npy"))
-    if ref["mono_steps"] != 0:
-        sys.exit("FAILED: %s: --decode stock ran %d mono steps" % (name, ref["mono_steps"]))
+    if ref["mono_steps"] != 0 or ref["mono_layers"] is not None:
+        sys.exit("FAILED: %s: --decode stock ran %d mono steps (mono_layers %s)" %
+                 (name, ref["mono_steps"], ref["mono_layers"]))
     for tp in (1, 2, 4):
         for decode in ("mono", "auto"):
             out, logits, err = generate(m3, model, prompt, decode, tp,
@@ -68,6 +69,8 @@ def check_model(m3, work, name, model, vocab):
                          (name, N_GEN - 1, out["mono_steps"], out["stock_steps"]))
             if "refused" in err:
                 sys.exit("FAILED: %s: unexpected refusal: %s" % (name, err))
+            if out["mono_layers"] != [1, 2]:  # each model: layer 0 dense, 1..2 sparse MoE
+                sys.exit("FAILED: %s: mono_layers %s, expected [1, 2]" % (name, out["mono_layers"]))
 
 
 def check_refusal(m3, work, model, vocab):
@@ -82,6 +85,34 @@ def check_refusal(m3, work, model, vocab):
         sys.exit("FAILED: --decode auto on a dense last layer: stderr %r, mono_steps %d" %
                  (err, out["mono_steps"]))
     print("--decode auto: %s" % err.strip().splitlines()[0])
+
+
+def check_first_layer(m3, work, model, vocab):
+    """M3_MONO_FIRST_LAYER (an experiment's knob) narrows the range; a bad value is refused."""
+    rng = random.Random("first")
+    prompt = [rng.randrange(vocab) for _ in range(N_PROMPT)]
+    ref, ref_logits, _ = generate(m3, model, prompt, "stock", 1, os.path.join(work, "first_s.npy"))
+    env = dict(os.environ, M3_MONO_FIRST_LAYER="2")
+    res = subprocess.run([m3, "generate", "--model", model, "--prompt-ids",
+                          ",".join(map(str, prompt)), "--max-tokens", str(N_GEN), "--ignore-eos",
+                          "--json", "--decode", "mono", "--dump-logits",
+                          os.path.join(work, "first_2.npy")],
+                         capture_output=True, text=True, timeout=900, env=env)
+    if res.returncode != 0:
+        sys.exit("FAILED: M3_MONO_FIRST_LAYER=2: exit %d\n%s" % (res.returncode, res.stderr))
+    out, logits = json.loads(res.stdout), np.load(os.path.join(work, "first_2.npy"))
+    if (out["mono_steps"] != N_GEN - 1 or out["mono_layers"] != [2, 2] or
+            not np.array_equal(logits.view(np.uint32), ref_logits.view(np.uint32))):
+        sys.exit("FAILED: M3_MONO_FIRST_LAYER=2: mono_steps %d, mono_layers %s, logits %s the "
+                 "stock path's" % (out["mono_steps"], out["mono_layers"],
+                                   "equal to" if np.array_equal(logits, ref_logits) else "not"))
+    env["M3_MONO_FIRST_LAYER"] = "9"
+    res = subprocess.run([m3, "generate", "--model", model, "--prompt-ids", "1,2,3",
+                          "--decode", "mono"], capture_output=True, text=True, timeout=900, env=env)
+    if res.returncode == 0 or "M3_MONO_FIRST_LAYER=9: not a layer" not in res.stderr:
+        sys.exit("FAILED: M3_MONO_FIRST_LAYER=9 not refused: exit %d, %s" %
+                 (res.returncode, res.stderr.strip()))
+    print("M3_MONO_FIRST_LAYER=2: mono on layer 2 only, logits equal; 9: refused")
 
 
 def main():
@@ -105,6 +136,7 @@ def main():
     if not a.quick:
         check_model(m3, a.work, "small3", models["small3"], 8192)
     check_refusal(m3, a.work, models["dense1"], 512)
+    check_first_layer(m3, a.work, models["tiny"], 512)
     print("ok")
 
 
