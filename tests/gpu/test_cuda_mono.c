@@ -89,6 +89,7 @@
 #include "m3.h"
 #include "model/model.h"
 #include "mono/fault.h"
+#include "mono_check.h"
 
 #define TOL 1e-2
 #define NEAR_TIE 1e-3
@@ -272,32 +273,6 @@ static int64_t snap_stray(const ctx *c, const snapshot *a, const snapshot *b,
 
 /* ------------------------------------------------------------ routing near-ties */
 
-/* The gap between the K-th and the (K+1)-th router key of x (bf16 [H]),
- * in double on the host weights. */
-static double route_gap(const ctx *c, int layer, const uint16_t *x) {
-    const m3_layer_weights *hw = &c->model->w.layers[layer];
-    const float *w = hw->router.data, *bias = hw->router_bias.data;
-    int E = c->cfg.num_experts, K = c->cfg.experts_per_tok, H = c->H;
-    double *keys = gpu_xmalloc((size_t)E * 8);
-    for (int e = 0; e < E; e++) {
-        double l = 0;
-        for (int k = 0; k < H; k++)
-            l += (double)w[(size_t)e * H + k] * m3_bf16_to_f32(x[k]);
-        keys[e] = 1.0 / (1.0 + exp(-l)) + (bias ? bias[e] : 0.0);
-    }
-    /* partial selection sort of the top K + 1 */
-    for (int i = 0; i <= K && i < E; i++)
-        for (int j = i + 1; j < E; j++)
-            if (keys[j] > keys[i]) {
-                double t = keys[i];
-                keys[i] = keys[j];
-                keys[j] = t;
-            }
-    double gap = K < E ? keys[K - 1] - keys[K] : INFINITY;
-    free(keys);
-    return gap;
-}
-
 /* ------------------------------------------------------------ comparisons */
 
 static gpu_cmp cmp_bf16(const uint16_t *got, const uint16_t *ref, int64_t n) {
@@ -476,7 +451,8 @@ static void layer_case(ctx *c, int layer, int n) {
         worst = hr.rel_l2 > worst ? hr.rel_l2 : worst;
         if (cmp_pass(&hr))
             continue;
-        double gap = hr.bad_special ? INFINITY : route_gap(c, layer, x2 + (size_t)i * H);
+        double gap =
+            hr.bad_special ? INFINITY : mono_route_gap(c->model, layer, x2 + (size_t)i * H);
         if (gap < NEAR_TIE) {
             near++, warn_rows++;
             printf("       row %d: hidden relL2 %.2e with a routing near-tie (key gap %.1e)\n", i,

@@ -1,0 +1,83 @@
+/*
+ * How close a layer's two discrete choices are to a tie, for the tests that
+ * compare the mono path with the stock path where their sums differ in
+ * order (CUDA): the gap between the K-th and (K+1)-th router key, and
+ * between the last chosen and the first passed-over block score. A gap
+ * within rounding means either choice is right, so a row whose outputs
+ * part there is a near-tie, not a fault. Header-only (static inline) so
+ * each test stays one translation unit.
+ */
+#ifndef M3_TESTS_MONO_CHECK_H
+#define M3_TESTS_MONO_CHECK_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "core/bf16.h"
+#include "model/model.h"
+
+/* The gap between the K-th and the (K+1)-th router key of x (bf16 [H], the
+ * post-attention norm's output), in double on the host weights of the
+ * model's layer (SPEC §2.3: sigmoid scores plus the routing bias). */
+static inline double mono_route_gap(const m3_model *model, int layer, const uint16_t *x) {
+    const m3_config *c = &model->cfg;
+    const m3_layer_weights *hw = &model->w.layers[layer];
+    const float *w = hw->router.data, *bias = hw->router_bias.data;
+    int E = c->num_experts, K = c->experts_per_tok, H = c->hidden_size;
+    if (K >= E)
+        return INFINITY;
+    double *keys = malloc((size_t)E * sizeof *keys);
+    if (!keys)
+        return NAN;
+    for (int e = 0; e < E; e++) {
+        double l = 0;
+        for (int k = 0; k < H; k++)
+            l += (double)w[(size_t)e * H + k] * m3_bf16_to_f32(x[k]);
+        keys[e] = 1.0 / (1.0 + exp(-l)) + (bias ? bias[e] : 0.0);
+    }
+    for (int i = 0; i <= K; i++) /* partial selection sort of the top K + 1 */
+        for (int j = i + 1; j < E; j++)
+            if (keys[j] > keys[i]) {
+                double t = keys[i];
+                keys[i] = keys[j];
+                keys[j] = t;
+            }
+    double gap = keys[K - 1] - keys[K];
+    free(keys);
+    return gap;
+}
+
+/* The relative gap between the last block one index head chooses and the
+ * best one it passes over, from its block scores ([nblocks], the stock
+ * path's), under SPEC §3's rule: the first `init` and last `local` blocks
+ * are forced, the rest compete for the remaining topk - forced places.
+ * INFINITY when nothing competes (nblocks <= topk). */
+static inline double mono_select_gap(const float *scores, int nblocks, int topk, int init,
+                                     int local) {
+    if (nblocks <= topk)
+        return INFINITY;
+    int init_end = init < nblocks ? init : nblocks;
+    int local_begin = nblocks - local > init_end ? nblocks - local : init_end;
+    int room = topk - init_end - (nblocks - local_begin), n = local_begin - init_end;
+    if (room <= 0 || room >= n)
+        return INFINITY;
+    float *c = malloc((size_t)n * sizeof *c);
+    if (!c)
+        return NAN;
+    for (int i = 0; i < n; i++)
+        c[i] = scores[init_end + i];
+    for (int i = 0; i <= room; i++) /* the top room + 1 */
+        for (int j = i + 1; j < n; j++)
+            if (c[j] > c[i]) {
+                float t = c[i];
+                c[i] = c[j];
+                c[j] = t;
+            }
+    double scale = fabs((double)c[room - 1]) > 1e-30 ? fabs((double)c[room - 1]) : 1e-30;
+    double gap = ((double)c[room - 1] - (double)c[room]) / scale;
+    free(c);
+    return gap;
+}
+
+#endif
