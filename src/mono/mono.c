@@ -105,12 +105,18 @@ static const exec_ops cuda_exec = {"cuda",           256,              cuda_laye
 m3_status m3_mono_default_config(const m3_engine *eng, int max_rows, m3_mono_config *out) {
     const m3_config *c = &eng->cfg;
     memset(out, 0, sizeof *out);
-    int first = c->num_layers;
-    while (first > 0 && c->layer_sparse[first - 1] && c->layer_moe[first - 1])
-        first--;
-    if (first == c->num_layers)
-        return m3_fail(M3_ERR_UNSUPPORTED, "the mono path runs sparse MoE layers and the last "
-                       "layer (%d) is not one", c->num_layers - 1);
+    /* the longest run of sparse MoE layers, the later one on a tie (M3:
+     * layers 3..59); the layers outside it run stock */
+    int first = -1, last = -2;
+    for (int i = 0, j; i < c->num_layers; i = j + 1) {
+        for (j = i; j < c->num_layers && c->layer_sparse[j] && c->layer_moe[j]; j++)
+            ;
+        if (j > i && j - i >= last - first + 1)
+            first = i, last = j - 1;
+    }
+    if (first < 0)
+        return m3_fail(M3_ERR_UNSUPPORTED, "the mono path runs sparse MoE layers and none of the "
+                       "model's %d layers is one", c->num_layers);
     /* an experiment's knob (docs/PERF.md, tuning): M3_MONO_FIRST_LAYER=n
      * leaves the range's layers before n to the stock path, e.g. to find the
      * layer from which the two paths' results part */
@@ -118,13 +124,13 @@ m3_status m3_mono_default_config(const m3_engine *eng, int max_rows, m3_mono_con
     if (env && *env) {
         char *end;
         long v = strtol(env, &end, 10);
-        if (*end || v < 0 || v >= c->num_layers)
-            return m3_fail(M3_ERR_INVALID_ARG, "M3_MONO_FIRST_LAYER=%s: not a layer of the model "
-                           "(0..%d)", env, c->num_layers - 1);
+        if (*end || v < 0 || v > last)
+            return m3_fail(M3_ERR_INVALID_ARG, "M3_MONO_FIRST_LAYER=%s: not a layer in 0..%d "
+                           "(the fused range is %d..%d)", env, last, first, last);
         first = v > first ? (int)v : first;
     }
     out->first_layer = first;
-    out->last_layer = c->num_layers - 1;
+    out->last_layer = last;
     out->max_rows = max_rows > 0 ? max_rows : M3_CUDA_MONO_MAX_ROWS;
     for (int w = 1; out->n_widths < M3_MONO_MAX_WIDTHS; w *= 2) {
         out->widths[out->n_widths++] = w < out->max_rows ? w : out->max_rows;

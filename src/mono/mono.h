@@ -73,9 +73,9 @@ typedef struct m3_mono_health {
 typedef struct m3_mono m3_mono;
 
 /* The default config for an engine: the longest run of sparse MoE layers
- * that ends at the last layer, max_rows (0: 16), widths 1, 2, 4, ... up to
- * max_rows, the engine's TP size. M3_ERR_UNSUPPORTED when no layer
- * qualifies. */
+ * (the later one on a tie; the layers before and after it run stock),
+ * max_rows (0: 16), widths 1, 2, 4, ... up to max_rows, the engine's TP
+ * size. M3_ERR_UNSUPPORTED when no layer qualifies. */
 m3_status m3_mono_default_config(const struct m3_engine *eng, int max_rows, m3_mono_config *out);
 
 /* Every reason this rank cannot run cfg on eng, "; "-separated into buf

@@ -11,8 +11,12 @@ orders and rounding points, so the bound is bitwise: checked
 - the run's stats: the prompt's three prefill chunks ran stock and every
   decode step mono;
 - `--decode auto` picks mono where allowed (same stats as mono);
-- on a model whose last layer is not sparse MoE, `--decode mono` is refused
-  with the reason and `--decode auto` prints the reason once and runs stock.
+- on a model whose sparse MoE layers are not its last (`mid`: tiny with a
+  fourth layer of sparse attention and a dense MLP), the mono path fuses
+  the run in the middle (`mono_layers` [1, 2]) and the last layer runs
+  stock, bit-identical as above;
+- on a model with no sparse MoE layer, `--decode mono` is refused with the
+  reason and `--decode auto` prints the reason once and runs stock.
 
 Run by ctest as: test_mono.py --m3 build/m3 --work DIR
 """
@@ -69,7 +73,8 @@ def check_model(m3, work, name, model, vocab):
                          (name, N_GEN - 1, out["mono_steps"], out["stock_steps"]))
             if "refused" in err:
                 sys.exit("FAILED: %s: unexpected refusal: %s" % (name, err))
-            if out["mono_layers"] != [1, 2]:  # each model: layer 0 dense, 1..2 sparse MoE
+            if out["mono_layers"] != [1, 2]:  # each model: layer 0 dense, 1..2 sparse MoE (mid: 3
+                # sparse with a dense MLP)
                 sys.exit("FAILED: %s: mono_layers %s, expected [1, 2]" % (name, out["mono_layers"]))
 
 
@@ -77,12 +82,12 @@ def check_refusal(m3, work, model, vocab):
     prompt = list(range(1, 40))
     res = run([m3, "generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
                "--max-tokens", "4", "--decode", "mono"], expect_ok=False)
-    if res.returncode == 0 or "mono" not in res.stderr or "not" not in res.stderr:
-        sys.exit("FAILED: --decode mono on a dense last layer: rc %d, %s" % (res.returncode, res.stderr))
+    if res.returncode == 0 or "refused" not in res.stderr or "sparse MoE" not in res.stderr:
+        sys.exit("FAILED: --decode mono on a dense model: rc %d, %s" % (res.returncode, res.stderr))
     print("--decode mono refused: %s" % res.stderr.strip().splitlines()[-1])
     out, _, err = generate(m3, model, prompt, "auto", 1, os.path.join(work, "dense_auto.npy"))
     if err.count("refused") != 1 or out["mono_steps"] != 0:
-        sys.exit("FAILED: --decode auto on a dense last layer: stderr %r, mono_steps %d" %
+        sys.exit("FAILED: --decode auto on a dense model: stderr %r, mono_steps %d" %
                  (err, out["mono_steps"]))
     print("--decode auto: %s" % err.strip().splitlines()[0])
 
@@ -131,8 +136,23 @@ def main():
                        ("dense1", ["--preset", "tiny", "--layers", "1", "--seed", "24"])]:
         models[name] = os.path.join(a.work, name)
         run([m3, "synth", *args, "--out", models[name]])
+    # mid: tiny's layers and a fourth of sparse attention with a dense MLP
+    with open(os.path.join(models["tiny"], "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    text["num_hidden_layers"] = 4
+    text["moe_layer_freq"] = [0, 1, 1, 0]
+    sc = text["sparse_attention_config"]
+    sc["sparse_attention_freq"] = [0, 1, 1, 1]
+    sc["sparse_disable_index_value"] = [0, 1, 1, 1]
+    with open(os.path.join(a.work, "mid.json"), "w") as f:
+        json.dump(cfg, f)
+    models["mid"] = os.path.join(a.work, "mid")
+    run([m3, "synth", "--config", os.path.join(a.work, "mid.json"), "--seed", "25", "--out",
+         models["mid"]])
     check_model(m3, a.work, "tiny", models["tiny"], 512)
     check_model(m3, a.work, "tiny_mxfp8", models["tiny_mxfp8"], 512)
+    check_model(m3, a.work, "mid", models["mid"], 512)
     if not a.quick:
         check_model(m3, a.work, "small3", models["small3"], 8192)
     check_refusal(m3, a.work, models["dense1"], 512)

@@ -106,7 +106,7 @@ def random_config(rng):
     layers = rng.randint(1, 5)
     moe = [rng.randint(0, 1) for _ in range(layers)]
     sparse = [rng.randint(0, 1) for _ in range(layers)]
-    if rng.random() < 0.7:  # trailing sparse MoE layers: the mono path's range
+    if rng.random() < 0.7:  # a run of sparse MoE layers to the end (as in M3), which mono fuses
         for i in range(rng.randint(0, layers - 1), layers):
             moe[i] = sparse[i] = 1
     experts = rng.randint(2, 9)
