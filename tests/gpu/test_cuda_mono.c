@@ -196,12 +196,7 @@ static m3_status download(ctx *c, void *dst, const void *src, size_t bytes) {
 static size_t entry_elems(const ctx *c, int n) { return (size_t)n * (2 * c->Nkv + 1) * c->D; }
 
 static uint16_t *entry_ptr(const ctx *c, const m3_cache_layer *cl, int64_t slot, int e) {
-    int64_t page = slot / PAGE, off = slot % PAGE;
-    if (e < c->Nkv)
-        return (uint16_t *)cl->k + ((page * c->Nkv + e) * PAGE + off) * c->D;
-    if (e < 2 * c->Nkv)
-        return (uint16_t *)cl->v + ((page * c->Nkv + (e - c->Nkv)) * PAGE + off) * c->D;
-    return (uint16_t *)cl->index + (page * PAGE + off) * c->Di;
+    return mono_entry_ptr(cl, slot, e, c->Nkv, c->D, c->Di);
 }
 
 static m3_status entries_get(ctx *c, const m3_cache_layer *cl, const int64_t *slots, int n,

@@ -4,7 +4,8 @@
  * order (CUDA): the gap between the K-th and (K+1)-th router key, and
  * between the last chosen and the first passed-over block score. A gap
  * within rounding means either choice is right, so a row whose outputs
- * part there is a near-tie, not a fault. Header-only (static inline) so
+ * part there is a near-tie, not a fault. Also where a slot's cache entries
+ * live, for the tests that read them back. Header-only (static inline) so
  * each test stays one translation unit.
  */
 #ifndef M3_TESTS_MONO_CHECK_H
@@ -14,6 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cache/cache.h"
 #include "core/bf16.h"
 #include "model/model.h"
 
@@ -78,6 +80,19 @@ static inline double mono_select_gap(const float *scores, int nblocks, int topk,
     double gap = ((double)c[room - 1] - (double)c[room]) / scale;
     free(c);
     return gap;
+}
+
+/* Where a slot's cache entry e lives in a layer's cache: e < Nkv the K row
+ * of KV head e, then the V rows, then the index key (bf16 rows of D, D and
+ * Di values, pages of M3_PAGE_TOKENS slots). */
+static inline uint16_t *mono_entry_ptr(const m3_cache_layer *cl, int64_t slot, int e, int Nkv,
+                                       int D, int Di) {
+    int64_t page = slot / M3_PAGE_TOKENS, off = slot % M3_PAGE_TOKENS;
+    if (e < Nkv)
+        return (uint16_t *)cl->k + ((page * Nkv + e) * M3_PAGE_TOKENS + off) * D;
+    if (e < 2 * Nkv)
+        return (uint16_t *)cl->v + ((page * Nkv + (e - Nkv)) * M3_PAGE_TOKENS + off) * D;
+    return (uint16_t *)cl->index + (page * M3_PAGE_TOKENS + off) * Di;
 }
 
 #endif

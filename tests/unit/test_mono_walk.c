@@ -68,16 +68,6 @@ static m3_status down(walk *w, void *dst, const void *src, size_t bytes) {
     return w->e->be->ops->download(w->e->be, dst, src, bytes);
 }
 
-/* The K, V (every KV head) and index entries of one slot: [2 Nkv + 1][D]. */
-static uint16_t *entry_ptr(const walk *w, const m3_cache_layer *cl, int64_t slot, int e) {
-    int64_t page = slot / PAGE, off = slot % PAGE;
-    if (e < w->Nkv)
-        return (uint16_t *)cl->k + ((page * w->Nkv + e) * PAGE + off) * w->D;
-    if (e < 2 * w->Nkv)
-        return (uint16_t *)cl->v + ((page * w->Nkv + (e - w->Nkv)) * PAGE + off) * w->D;
-    return (uint16_t *)cl->index + (page * PAGE + off) * w->Di;
-}
-
 static int entry_len(const walk *w, int e) { return e < 2 * w->Nkv ? w->D : w->Di; }
 
 /* get (dir 0), put (dir 1) or poison (dir 2) the slot's entries; buf
@@ -89,7 +79,7 @@ static m3_status entries(walk *w, const m3_cache_layer *cl, int64_t slot, uint16
         nan[k] = BF16_POISON;
     for (int e = 0; e < 2 * w->Nkv + 1; e++) {
         size_t bytes = (size_t)entry_len(w, e) * 2;
-        uint16_t *dev = entry_ptr(w, cl, slot, e), *host = buf + (size_t)e * w->ent_stride;
+        uint16_t *dev = mono_entry_ptr(cl, slot, e, w->Nkv, w->D, w->Di), *host = buf + (size_t)e * w->ent_stride;
         if (dir == 0)
             memset(host, 0, (size_t)w->ent_stride * 2);
         M3_TRY(dir == 0 ? down(w, host, dev, bytes) : up(w, dev, dir == 1 ? host : nan, bytes));
