@@ -16,6 +16,12 @@
  * keys within 1e-3, tests/unit/mono_check.h). Each fused layer prints its
  * errors and how near its expert and block choices are to a tie.
  *
+ * Then (unless --no-chain) the same step's whole mono chain, each fused
+ * layer on the mono path's own outputs as a real step runs them, against
+ * the stock chain, layer by layer: where and how fast the two part. On the
+ * CPU every layer bit-identical; on CUDA printed (the parting grows with
+ * depth and near-ties; NaN fails).
+ *
  * Default (CI): the `tiny` preset synthesized into a temporary folder, a
  * 1,000-token prompt (8 pages, top-3 blocks), 2 decode steps, on the CPU.
  * Options: --preset NAME [--topk N] (top-N blocks, no init block, one local
@@ -45,6 +51,8 @@ typedef struct walk_args {
     const char *preset, *model, *device, *tokens;
     int topk, prompt_len, steps;
     double tol;
+    bool chain; /* also run each step's whole mono chain against the stock chain
+                   (default; --no-chain: not) */
 } walk_args;
 
 typedef struct walk {
@@ -56,7 +64,8 @@ typedef struct walk {
     bool cuda;
     uint16_t *in_h, *in_r, *st_h, *st_r, *mo_h, *mo_r, *x2, *st_ent, *mo_ent;
     float *scores;
-    int fused_layers, bad_layers, tie_layers;
+    uint16_t *chain_h, *chain_r; /* [layers][H]: the stock chain's outputs (--chain) */
+    int fused_layers, bad_layers, tie_layers, chain_parted;
     double worst_rel;
 } walk;
 
@@ -175,6 +184,63 @@ static m3_status fused_layer(walk *w, int step, int li) {
     return entries(w, cl, slot, w->st_ent, 1);
 }
 
+/* Every layer of the built step, stock, from the embedding; with save, each
+ * layer's outputs into chain_h / chain_r. */
+static m3_status stock_chain(walk *w, bool save) {
+    m3_engine *e = w->e;
+    const m3_step *st = &e->step;
+    size_t hb = (size_t)w->H * 2;
+    M3_TRY(e->be->ops->embed(e->be, st->rows, st->dev.tokens, &e->w.embed, e->vocab_start,
+                             e->s.residual));
+    for (int li = 0; li < e->cfg.num_layers; li++) {
+        M3_TRY(m3_stock_layer(e, st, li, li == 0));
+        if (!save)
+            continue;
+        M3_TRY(e->be->ops->sync(e->be));
+        M3_TRY(down(w, w->chain_h + (size_t)li * w->H, e->s.hidden, hb));
+        M3_TRY(down(w, w->chain_r + (size_t)li * w->H, e->s.residual, hb));
+    }
+    return e->be->ops->sync(e->be);
+}
+
+/* --chain: the built step's whole mono chain (the fused layers on the mono
+ * path's own outputs, as a real step runs them) against the stock chain,
+ * layer by layer, so the printout shows where and how fast the two part;
+ * then the stock chain again, so the step's cache entries are the stock
+ * path's. On the CPU every layer must be bit-identical. */
+static m3_status chain_step(walk *w, int step) {
+    m3_engine *e = w->e;
+    const m3_step *st = &e->step;
+    size_t hb = (size_t)w->H * 2;
+    M3_TRY(stock_chain(w, true));
+    M3_TRY(e->be->ops->embed(e->be, st->rows, st->dev.tokens, &e->w.embed, e->vocab_start,
+                             e->s.residual));
+    int first = m3_mono_first_layer(e->mono), last = m3_mono_last_layer(e->mono);
+    for (int li = 0; li < e->cfg.num_layers; li++) {
+        bool fused = li >= first && li <= last;
+        if (fused) {
+            m3_mono_decision why;
+            if (!m3_mono_plan(e->mono, st, false, &why))
+                return m3_fail(M3_ERR_INVALID_ARG, "the plan sent the step to stock: %s",
+                               m3_mono_decision_name(why));
+            M3_TRY(m3_mono_run_layer(e->mono, st, li, e->s.hidden, e->s.residual));
+            M3_TRY(m3_mono_after_step(e->mono, true, M3_OK));
+        } else {
+            M3_TRY(m3_stock_layer(e, st, li, li == 0));
+        }
+        M3_TRY(e->be->ops->sync(e->be));
+        M3_TRY(down(w, w->mo_h, e->s.hidden, hb));
+        M3_TRY(down(w, w->mo_r, e->s.residual, hb));
+        const uint16_t *sh = w->chain_h + (size_t)li * w->H, *sr = w->chain_r + (size_t)li * w->H;
+        bool nan = false, same = !memcmp(w->mo_h, sh, hb) && !memcmp(w->mo_r, sr, hb);
+        double rh = rel_l2(w->mo_h, sh, w->H, &nan), rr = rel_l2(w->mo_r, sr, w->H, &nan);
+        printf("chain step %d layer %2d (%s): hidden relL2 %.2e, residual %.2e%s\n", step, li,
+               fused ? "mono" : "stock", rh, rr, nan ? ", NaN" : "");
+        w->chain_parted += nan || (!w->cuda && !same);
+    }
+    return stock_chain(w, false);
+}
+
 static m3_status walk_step(walk *w, int step) {
     m3_engine *e = w->e;
     int32_t token = (int32_t)((3 + (int64_t)step * 7919) % e->cfg.vocab_size);
@@ -201,6 +267,8 @@ static m3_status walk_step(walk *w, int step) {
             return m3_fail_context(s, "step %d, layer %d", step, li);
     }
     M3_TRY(e->be->ops->sync(e->be));
+    if (w->a.chain)
+        M3_TRY(chain_step(w, step));
     return m3_engine_set_len(w->front, w->seq, st->host.seq_lens[0]);
 }
 
@@ -245,6 +313,11 @@ static m3_status walk_setup(walk *w, const char *model_dir, m3_model **model) {
     w->scores = malloc((size_t)w->Ni * w->e->max_blocks * 4 + 4);
     if (!w->st_ent || !w->mo_ent || !w->scores)
         return m3_fail(M3_ERR_NO_MEMORY, "cache entries");
+    if (w->a.chain) {
+        w->chain_h = malloc(hb * c->num_layers), w->chain_r = malloc(hb * c->num_layers);
+        if (!w->chain_h || !w->chain_r)
+            return m3_fail(M3_ERR_NO_MEMORY, "the stock chain's outputs");
+    }
     M3_TRY(m3_seq_create(w->front, &w->seq));
     return prefill(w);
 }
@@ -252,13 +325,23 @@ static m3_status walk_setup(walk *w, const char *model_dir, m3_model **model) {
 static void walk_free(walk *w) {
     free(w->in_h), free(w->in_r), free(w->st_h), free(w->st_r), free(w->mo_h), free(w->mo_r);
     free(w->x2), free(w->st_ent), free(w->mo_ent), free(w->scores);
+    free(w->chain_h), free(w->chain_r);
     m3_engine_free(w->front);
 }
 
 static bool parse(int argc, char **argv, walk_args *a) {
-    *a = (walk_args){"tiny", NULL, "cpu", NULL, 0, 1000, 2, 1e-2};
-    for (int i = 1; i + 1 < argc; i += 2) {
+    *a = (walk_args){"tiny", NULL, "cpu", NULL, 0, 1000, 2, 1e-2, true};
+    int i = 1;
+    while (i < argc) {
+        if (!strcmp(argv[i], "--no-chain")) { /* the one flag */
+            a->chain = false;
+            i++;
+            continue;
+        }
+        if (i + 1 >= argc)
+            return false;
         const char *k = argv[i], *v = argv[i + 1];
+        i += 2;
         if (!strcmp(k, "--preset"))
             a->preset = v;
         else if (!strcmp(k, "--model"))
@@ -278,14 +361,14 @@ static bool parse(int argc, char **argv, walk_args *a) {
         else
             return false;
     }
-    return argc % 2 == 1 && a->prompt_len > 0 && a->steps > 0 && a->topk >= 0 &&
+    return i == argc && a->prompt_len > 0 && a->steps > 0 && a->topk >= 0 &&
            (!strcmp(a->device, "cpu") || !strcmp(a->device, "cuda"));
 }
 
 int main(int argc, char **argv) {
     walk w = {0};
     if (!parse(argc, argv, &w.a)) {
-        fprintf(stderr, "usage: test_mono_walk [--preset NAME [--topk N] | --model DIR] "
+        fprintf(stderr, "usage: test_mono_walk [--no-chain] [--preset NAME [--topk N] | --model DIR] "
                         "[--prompt-len N] [--steps K] [--tokens ID,...] [--device cpu|cuda] "
                         "[--tol X]\n");
         return 2;
@@ -326,6 +409,7 @@ int main(int argc, char **argv) {
     }
     CHECK(w.fused_layers > 0);
     CHECK(w.bad_layers == 0);
+    CHECK(w.chain_parted == 0);
     printf("test_mono_walk: %d fused layer runs, %d beyond the bound, %d near-ties; worst hidden "
            "relL2 %.2e\n", w.fused_layers, w.bad_layers, w.tie_layers, w.worst_rel);
     walk_free(&w);
