@@ -120,6 +120,17 @@ static double select_gap(const walk *w, const m3_step *st) {
     return gap;
 }
 
+/* Layer li of the built step through the mono path, as a step plans and
+ * checks it (the plan must choose mono; the fault word checked after). */
+static m3_status mono_layer(m3_engine *e, int li) {
+    m3_mono_decision why;
+    if (!m3_mono_plan(e->mono, &e->step, false, &why))
+        return m3_fail(M3_ERR_INVALID_ARG, "the plan sent the step to stock: %s",
+                       m3_mono_decision_name(why));
+    M3_TRY(m3_mono_run_layer(e->mono, &e->step, li, e->s.hidden, e->s.residual));
+    return m3_mono_after_step(e->mono, true, M3_OK);
+}
+
 /* Layer li of the built step through both paths on the same input; the
  * stock outputs stay in the engine. */
 static m3_status fused_layer(walk *w, int step, int li) {
@@ -144,12 +155,7 @@ static m3_status fused_layer(walk *w, int step, int li) {
     M3_TRY(entries(w, cl, slot, NULL, 2));
     M3_TRY(up(w, e->s.hidden, w->in_h, hb));
     M3_TRY(up(w, e->s.residual, w->in_r, hb));
-    m3_mono_decision why;
-    if (!m3_mono_plan(e->mono, st, false, &why))
-        return m3_fail(M3_ERR_INVALID_ARG, "the plan sent the step to stock: %s",
-                       m3_mono_decision_name(why));
-    M3_TRY(m3_mono_run_layer(e->mono, st, li, e->s.hidden, e->s.residual));
-    M3_TRY(m3_mono_after_step(e->mono, true, M3_OK));
+    M3_TRY(mono_layer(e, li));
     M3_TRY(op->sync(e->be));
     M3_TRY(down(w, w->mo_h, e->s.hidden, hb));
     M3_TRY(down(w, w->mo_r, e->s.residual, hb));
@@ -218,16 +224,7 @@ static m3_status chain_step(walk *w, int step) {
     int first = m3_mono_first_layer(e->mono), last = m3_mono_last_layer(e->mono);
     for (int li = 0; li < e->cfg.num_layers; li++) {
         bool fused = li >= first && li <= last;
-        if (fused) {
-            m3_mono_decision why;
-            if (!m3_mono_plan(e->mono, st, false, &why))
-                return m3_fail(M3_ERR_INVALID_ARG, "the plan sent the step to stock: %s",
-                               m3_mono_decision_name(why));
-            M3_TRY(m3_mono_run_layer(e->mono, st, li, e->s.hidden, e->s.residual));
-            M3_TRY(m3_mono_after_step(e->mono, true, M3_OK));
-        } else {
-            M3_TRY(m3_stock_layer(e, st, li, li == 0));
-        }
+        M3_TRY(fused ? mono_layer(e, li) : m3_stock_layer(e, st, li, li == 0));
         M3_TRY(e->be->ops->sync(e->be));
         M3_TRY(down(w, w->mo_h, e->s.hidden, hb));
         M3_TRY(down(w, w->mo_r, e->s.residual, hb));
