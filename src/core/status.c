@@ -34,6 +34,23 @@ const char *m3_last_error(void) { return error_msg; }
 
 void m3_clear_error(void) { error_msg[0] = '\0'; }
 
+void m3_reasons_vadd(char *buf, size_t cap, const char *fmt, va_list ap) {
+    size_t used = strnlen(buf, cap);
+    if (used && used + 2 < cap) {
+        memcpy(buf + used, "; ", 3);
+        used += 2;
+    }
+    if (used + 1 < cap)
+        vsnprintf(buf + used, cap - used, fmt, ap);
+}
+
+void m3_reasons_add(char *buf, size_t cap, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    m3_reasons_vadd(buf, cap, fmt, ap);
+    va_end(ap);
+}
+
 m3_status m3_fail(m3_status status, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);

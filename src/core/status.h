@@ -7,6 +7,9 @@
 #ifndef M3_CORE_STATUS_H
 #define M3_CORE_STATUS_H
 
+#include <stdarg.h>
+#include <stddef.h>
+
 #include "m3.h"
 
 #if defined(__GNUC__)
@@ -21,6 +24,10 @@ m3_status m3_fail(m3_status status, const char *fmt, ...) M3_PRINTF(2, 3);
 m3_status m3_fail_context(m3_status status, const char *fmt, ...) M3_PRINTF(2, 3);
 /* Forget the current message. */
 void m3_clear_error(void);
+/* Append one reason to the "; "-separated list in buf [cap] (cut to fit),
+ * for refusals that name every reason at once. */
+void m3_reasons_add(char *buf, size_t cap, const char *fmt, ...) M3_PRINTF(3, 4);
+void m3_reasons_vadd(char *buf, size_t cap, const char *fmt, va_list ap);
 
 #define M3_TRY(expr)                    \
     do {                                \

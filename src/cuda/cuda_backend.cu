@@ -4,7 +4,6 @@
  * stride so kernels can index them by id), a grow-only workspace, graph
  * capture, and the ops table. The ops themselves live in cuda_*.cu.
  */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -358,50 +357,38 @@ static const m3_backend_ops cuda_ops = {
     .sample = m3_cuda_sample,
 };
 
-/* Appends one reason to buf [cap] ("; " between reasons). */
-static void add_reason(char *buf, size_t cap, const char *fmt, ...) {
-    size_t n = strlen(buf);
-    if (n && n + 2 < cap)
-        n += (size_t)snprintf(buf + n, cap - n, "; ");
-    if (n + 1 >= cap)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf + n, cap - n, fmt, ap);
-    va_end(ap);
-}
-
 extern "C" m3_status m3_cuda_check_config(const m3_config *c) {
     char why[1024] = "";
+    const size_t cap = sizeof why;
     const bool sparse = m3_config_count_sparse(c) > 0, moe = m3_config_count_moe(c) > 0;
     if (c->head_dim < 32 || c->head_dim > M3_CUDA_ATTN_DIM_MAX || c->head_dim % 32)
-        add_reason(why, sizeof why, "head_dim %d (attention takes multiples of 32 up to %d)",
-                   c->head_dim, M3_CUDA_ATTN_DIM_MAX);
+        m3_reasons_add(why, cap, "head_dim %d (attention takes multiples of 32 up to %d)",
+                       c->head_dim, M3_CUDA_ATTN_DIM_MAX);
     if (c->rotary_dim / 2 > M3_CUDA_HNR_MAX_HALF)
-        add_reason(why, sizeof why, "rotary_dim %d (at most %d)", c->rotary_dim,
-                   2 * M3_CUDA_HNR_MAX_HALF);
+        m3_reasons_add(why, cap, "rotary_dim %d (at most %d)", c->rotary_dim,
+                       2 * M3_CUDA_HNR_MAX_HALF);
     if (c->hidden_size > M3_CUDA_NORM_DIM_MAX)
-        add_reason(why, sizeof why, "hidden_size %d (the norms take at most %d)", c->hidden_size,
-                   M3_CUDA_NORM_DIM_MAX);
+        m3_reasons_add(why, cap, "hidden_size %d (the norms take at most %d)", c->hidden_size,
+                       M3_CUDA_NORM_DIM_MAX);
     if (sparse && (c->index_dim < 8 || c->index_dim % 8 || c->index_dim > M3_CUDA_INDEX_DIM_MAX))
-        add_reason(why, sizeof why, "sparse_index_dim %d (the index scores take multiples of 8 "
-                   "up to %d)", c->index_dim, M3_CUDA_INDEX_DIM_MAX);
+        m3_reasons_add(why, cap, "sparse_index_dim %d (the index scores take multiples of 8 up "
+                       "to %d)", c->index_dim, M3_CUDA_INDEX_DIM_MAX);
     else if (sparse && !m3_cuda_index_fits(c->index_heads, c->index_dim))
-        add_reason(why, sizeof why, "%d index heads of %d dims (more than the index scores' "
-                   "shared memory holds)", c->index_heads, c->index_dim);
+        m3_reasons_add(why, cap, "%d index heads of %d dims (more than the index scores' shared "
+                       "memory holds)", c->index_heads, c->index_dim);
     if (moe && c->experts_per_tok > M3_CUDA_MOE_MAX_K)
-        add_reason(why, sizeof why, "%d experts per token (at most %d)", c->experts_per_tok,
-                   M3_CUDA_MOE_MAX_K);
+        m3_reasons_add(why, cap, "%d experts per token (at most %d)", c->experts_per_tok,
+                       M3_CUDA_MOE_MAX_K);
     if (moe && c->num_experts > M3_CUDA_MOE_MAX_EXPERTS)
-        add_reason(why, sizeof why, "%d experts (at most %d)", c->num_experts,
-                   M3_CUDA_MOE_MAX_EXPERTS);
+        m3_reasons_add(why, cap, "%d experts (at most %d)", c->num_experts,
+                       M3_CUDA_MOE_MAX_EXPERTS);
     if (moe && (c->hidden_size % M3_CUDA_MOE_ALIGN || c->expert_dim % M3_CUDA_MOE_ALIGN))
-        add_reason(why, sizeof why, "hidden_size %d and expert width %d (per TP rank): the MoE "
-                   "kernels take multiples of %d", c->hidden_size, c->expert_dim,
-                   M3_CUDA_MOE_ALIGN);
+        m3_reasons_add(why, cap, "hidden_size %d and expert width %d (per TP rank): the MoE "
+                       "kernels take multiples of %d", c->hidden_size, c->expert_dim,
+                       M3_CUDA_MOE_ALIGN);
     if (c->vocab_size > M3_CUDA_SAMPLE_MAX_VOCAB)
-        add_reason(why, sizeof why, "vocab_size %d (at most %d per TP rank)", c->vocab_size,
-                   M3_CUDA_SAMPLE_MAX_VOCAB);
+        m3_reasons_add(why, cap, "vocab_size %d (at most %d per TP rank)", c->vocab_size,
+                       M3_CUDA_SAMPLE_MAX_VOCAB);
     if (why[0])
         return m3_fail(M3_ERR_UNSUPPORTED, "the CUDA backend does not take this model: %s", why);
     return M3_OK;

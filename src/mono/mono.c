@@ -141,19 +141,13 @@ m3_status m3_mono_default_config(const m3_engine *eng, int max_rows, m3_mono_con
     return M3_OK;
 }
 
-/* Append one reason to buf. */
+/* Append one reason to buf, counted in *n. */
 static void refuse(char *buf, size_t size, int *n, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static void refuse(char *buf, size_t size, int *n, const char *fmt, ...) {
-    size_t used = strlen(buf);
-    if (*n > 0 && used + 2 < size) {
-        strcat(buf, "; ");
-        used += 2;
-    }
     va_list ap;
     va_start(ap, fmt);
-    if (used < size)
-        vsnprintf(buf + used, size - used, fmt, ap);
+    m3_reasons_vadd(buf, size, fmt, ap);
     va_end(ap);
     (*n)++;
 }

@@ -148,8 +148,8 @@ static m3_status fused_layer(walk *w, int step, int li) {
     M3_TRY(down(w, w->st_h, e->s.hidden, hb));
     M3_TRY(down(w, w->st_r, e->s.residual, hb));
     M3_TRY(down(w, w->x2, e->s.x, hb));
-    if (e->cfg.layer_sparse[li])
-        M3_TRY(down(w, w->scores, e->s.scores, (size_t)w->Ni * st->max_blocks * 4));
+    /* (a fused layer is sparse MoE: it has block scores and a router) */
+    M3_TRY(down(w, w->scores, e->s.scores, (size_t)w->Ni * st->max_blocks * 4));
     M3_TRY(entries(w, cl, slot, w->st_ent, 0));
     /* mono, on the same input, into poisoned entries */
     M3_TRY(entries(w, cl, slot, NULL, 2));
@@ -166,8 +166,7 @@ static m3_status fused_layer(walk *w, int step, int li) {
     double re = rel_l2(w->mo_ent, w->st_ent, (int)nent, &nan);
     bool same = !memcmp(w->mo_h, w->st_h, hb) && !memcmp(w->mo_r, w->st_r, hb) &&
                 !memcmp(w->mo_ent, w->st_ent, nent * 2);
-    double rgap = e->cfg.layer_moe[li] ? mono_route_gap(w->front->model, li, w->x2) : INFINITY;
-    double sgap = e->cfg.layer_sparse[li] ? select_gap(w, st) : INFINITY;
+    double rgap = mono_route_gap(w->front->model, li, w->x2), sgap = select_gap(w, st);
     const char *verdict;
     if (!w->cuda)
         verdict = same ? "bit-identical" : "DIFFERS";
