@@ -349,14 +349,25 @@ static m3_status connect_gpus(m3_engine *f) {
 
 const char *m3_engine_mono_refusal(const m3_engine *e) { return e->mono_refused; }
 
+void m3_engine_resolve_decode(m3_engine_opts *o) {
+    if (o->decode != M3_DECODE_DEFAULT) /* see m3_decode_path */
+        return;
+    /* CUDA: the fused kernels beat the stock path at one row on one GPU
+     * only (docs/PERF.md), so there the default fuses 1-row steps */
+    bool cuda = o->device == M3_DEVICE_CUDA;
+    int tp = o->tp ? o->tp : 1;
+    o->decode = cuda && tp > 1 ? M3_DECODE_STOCK : M3_DECODE_AUTO;
+    if (cuda && tp == 1 && o->mono_max_rows == 0)
+        o->mono_max_rows = 1;
+}
+
 m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engine **out) {
     *out = NULL;
     if (!model)
         return m3_fail(M3_ERR_INVALID_ARG, "model is NULL");
     m3_engine_opts o = opts ? *opts : m3_engine_defaults();
     int tp = o.tp ? o.tp : 1;
-    if (o.decode == M3_DECODE_DEFAULT) /* see m3_decode_path */
-        o.decode = o.device == M3_DEVICE_CUDA ? M3_DECODE_STOCK : M3_DECODE_AUTO;
+    m3_engine_resolve_decode(&o);
     if (o.decode < M3_DECODE_DEFAULT || o.decode > M3_DECODE_MONO)
         return m3_fail(M3_ERR_INVALID_ARG, "decode path %d is not default, auto, stock or mono",
                        (int)o.decode);

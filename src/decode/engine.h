@@ -80,6 +80,10 @@ struct m3_engine {
     void *layer_hook_user;
 };
 
+/* Resolve opts->decode == M3_DECODE_DEFAULT into the path it stands for
+ * (m3.h's m3_decode_path): auto, with mono_max_rows 1 on one GPU, or stock
+ * on CUDA at tp > 1. Other paths are left as given. */
+void m3_engine_resolve_decode(m3_engine_opts *o);
 /* Run one step on the backend: the layers, then the logits of the rows
  * s.out_rows[0..n_out) (backend memory) into s.logits [n_out, V]. Launches
  * only, so a CUDA graph can capture it. */

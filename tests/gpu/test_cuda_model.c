@@ -735,6 +735,31 @@ static void teardown(ctx *c) {
         gpu_remove_dir(c->dir);
 }
 
+/* The default decode path on one GPU (m3.h): auto with 1-row steps fused.
+ * A greedy run's decode steps (one row each) are mono steps where the
+ * model allows mono; where it does not (hd64) they are stock steps and the
+ * refusal's reason is kept. */
+static void default_path_case(ctx *c) {
+    const char *t = "default path, one GPU";
+    m3_engine *e = NULL;
+    gpu_trace tr;
+    if (!gpu_trace_init(&tr, 8, c->V))
+        exit(1);
+    if (ok(c, t, make_engine(c->model, M3_DEVICE_CUDA, true, M3_DECODE_DEFAULT, &e), "engine") &&
+        ok(c, t, gpu_generate(e, c->prompt, 100, &tr), "generate")) {
+        m3_engine_stats s = m3_engine_get_stats(e);
+        const char *why = m3_engine_mono_refusal(e);
+        bool fused = !why[0];
+        bool pass = fused ? s.mono_steps == tr.cap - 1 && s.stock_steps == 1
+                          : s.mono_steps == 0 && strstr(why, "head_dim");
+        record(c, t, fused ? "1-row mono" : "refused", pass ? "PASS" : "FAIL",
+               "%lld mono steps, %lld stock steps%s%.50s", (long long)s.mono_steps,
+               (long long)s.stock_steps, fused ? "" : "; refused: ", why);
+    }
+    m3_engine_free(e);
+    gpu_trace_free(&tr);
+}
+
 static void run_preset(const char *preset, m3_decode_path decode, uint64_t *rng) {
     ctx *c = calloc(1, sizeof *c);
     if (!c)
@@ -753,6 +778,8 @@ static void run_preset(const char *preset, m3_decode_path decode, uint64_t *rng)
         static const int counts[] = {1, 2, 3, 4, 5, 16};
         for (size_t i = 0; i < sizeof counts / sizeof *counts; i++)
             concurrency_case(c, counts[i]);
+        if (decode == M3_DECODE_STOCK)
+            default_path_case(c);
         /* the mono runs must have run mono steps (eager engine: no graphs) */
         m3_engine_stats s = m3_engine_get_stats(c->eager);
         bool want_mono = decode == M3_DECODE_MONO;

@@ -415,12 +415,43 @@ out:
     m3_engine_free(e[1]);
 }
 
+/* What M3_DECODE_DEFAULT stands for (m3.h): auto on the CPU; on one GPU
+ * auto fusing 1-row steps (a mono_max_rows given is kept); stock on GPUs at
+ * tp > 1; any other path as given. */
+static void test_default_path(void) {
+    struct {
+        m3_device dev;
+        int tp, max_rows_in;
+        m3_decode_path given, want;
+        int want_max_rows;
+    } cases[] = {
+        {M3_DEVICE_CPU, 1, 0, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 0},
+        {M3_DEVICE_CPU, 4, 0, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 0},
+        {M3_DEVICE_CUDA, 0, 0, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 1},
+        {M3_DEVICE_CUDA, 1, 0, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 1},
+        {M3_DEVICE_CUDA, 1, 4, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 4},
+        {M3_DEVICE_CUDA, 2, 0, M3_DECODE_DEFAULT, M3_DECODE_STOCK, 0},
+        {M3_DEVICE_CUDA, 1, 0, M3_DECODE_AUTO, M3_DECODE_AUTO, 0},
+        {M3_DEVICE_CUDA, 1, 0, M3_DECODE_MONO, M3_DECODE_MONO, 0},
+        {M3_DEVICE_CUDA, 1, 0, M3_DECODE_STOCK, M3_DECODE_STOCK, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        m3_engine_opts o = m3_engine_defaults();
+        o.device = cases[i].dev, o.tp = cases[i].tp, o.mono_max_rows = cases[i].max_rows_in;
+        o.decode = cases[i].given;
+        m3_engine_resolve_decode(&o);
+        CHECK(o.decode == cases[i].want);
+        CHECK(o.mono_max_rows == cases[i].want_max_rows);
+    }
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/m3_test_mono_%d", (int)getpid());
     m3_model *model = load_tiny();
     CHECK(model != NULL);
     if (!model)
         return check_summary("test_mono_lifecycle");
+    test_default_path();
     test_refusals(model);
     test_refusal_agreed(model);
     test_decide(model);
