@@ -15,8 +15,11 @@
   comparison rule on made-up logits: equal tokens within the bound pass, a
   parting at a near-tie warns, at a clear margin or beyond the bound fails.
 
+- scripts/gpu-parting with the CPU in the GPU's place on the tiny model:
+  its runs agree and it leaves at most 8 files in $OUT.
+
 Run by ctest as: test_tools.py --m3 build/m3 --work DIR [--quick] (m3 is
-used by the cuda_configs.py check only).
+used by the cuda_configs.py and gpu-parting checks only).
 """
 import argparse
 import os
@@ -165,6 +168,41 @@ def check_cuda_configs(m3, work, quick):
     print(res.stdout.strip().splitlines()[-1])
 
 
+def check_gpu_parting(m3, work):
+    """scripts/gpu-parting with the CPU in the GPU's place (M3_PARTING_DEVICE=cpu)
+    on the tiny model: every run's tokens and logits equal (the CPU's stock and
+    mono paths are bit-identical), at most 8 files in $OUT (what the device
+    tool brings back), the runs' JSON and stderr in one tar."""
+    model = os.path.join(work, "parting_tiny")
+    out = os.path.join(work, "parting_out")
+    shutil.rmtree(out, ignore_errors=True)
+    if not os.path.exists(os.path.join(model, "config.json")):
+        subprocess.run([m3, "synth", "--preset", "tiny", "--out", model], check=True,
+                       capture_output=True, timeout=300)
+    env = dict(os.environ, OUT=out, BUILD=os.path.dirname(m3), M3_PARTING_MODEL=model,
+               M3_PARTING_DEVICE="cpu", M3_PARTING_CPU="1", M3_PARTING_FIRST="1 2",
+               M3_PARTING_PROMPT_LEN="300", WORK=os.path.join(work, "parting_work"))
+    res = subprocess.run([os.path.join(ROOT, "scripts", "gpu-parting")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        fail("gpu-parting: exit %d\n%s%s" % (res.returncode, res.stdout, res.stderr))
+    rows = [l.split("|")[1:-1] for l in open(os.path.join(out, "parting.md"))
+            if l.startswith("| ") and not l.startswith("| run")]
+    names = [r[0].strip() for r in rows]
+    if names != ["stock", "mono1", "mono2", "cpu"]:
+        fail("gpu-parting: runs %s in parting.md" % names)
+    for r in rows:
+        if r[1] != rows[0][1] or set(r[3].split()) != {"0"}:
+            fail("gpu-parting: run %s differs from stock: %s" % (r[0].strip(), "|".join(r)))
+    if len(os.listdir(out)) > 8:
+        fail("gpu-parting: %d files in $OUT" % len(os.listdir(out)))
+    import tarfile
+    with tarfile.open(os.path.join(out, "parting_runs.tar")) as t:
+        if len(t.getnames()) != 8:
+            fail("gpu-parting: parting_runs.tar holds %s" % t.getnames())
+    print("gpu-parting: 4 runs equal on the CPU, %d files out" % len(os.listdir(out)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m3")
@@ -176,6 +214,7 @@ def main():
     check_gpu_ab(args.work)
     if args.m3:
         check_cuda_configs(os.path.abspath(args.m3), args.work, args.quick)
+        check_gpu_parting(os.path.abspath(args.m3), args.work)
     print("test_tools: passed")
 
 
