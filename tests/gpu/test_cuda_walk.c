@@ -75,17 +75,6 @@ static m3_status up(m3_engine *e, void *dst, const void *src, size_t bytes) {
     return e->be->ops->upload(e->be, dst, src, bytes);
 }
 
-static double rel_l2(const uint16_t *got, const uint16_t *ref, int n, bool *nan) {
-    double d = 0, r = 0;
-    for (int i = 0; i < n; i++) {
-        double g = m3_bf16_to_f32(got[i]), f = m3_bf16_to_f32(ref[i]);
-        if (!isfinite(g) && isfinite(f))
-            *nan = true;
-        d += (g - f) * (g - f), r += f * f;
-    }
-    return r > 0 ? sqrt(d / r) : sqrt(d);
-}
-
 static int blocks_of(int64_t position) { return (int)(position / M3_PAGE_TOKENS) + 1; }
 
 /* How wrong the GPU's block choice sel (ascending, -1 padded) is under the
@@ -183,8 +172,8 @@ static m3_status walk_layer(walk *w, const char *what, int li) {
             continue;
         size_t o = (size_t)t * w->H;
         bool nan = false;
-        double rh = rel_l2(w->gh + o, w->ch + o, w->H, &nan);
-        double rr = rel_l2(w->gr + o, w->cr + o, w->H, &nan);
+        double rh = mono_rel_l2(w->gh + o, w->ch + o, w->H, &nan);
+        double rr = mono_rel_l2(w->gr + o, w->cr + o, w->H, &nan);
         max_h = fmax(max_h, rh), max_r = fmax(max_r, rr);
         double v = 0; /* the row's worst selection violation */
         bool sel_differs = false;
@@ -375,15 +364,7 @@ int main(int argc, char **argv) {
         return probe;
     char dir[512] = "";
     if (!w.a.model) { /* synthesize the preset */
-        m3_config cfg;
-        const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
-        snprintf(dir, sizeof dir, "%s/m3_cuda_walk_XXXXXX", tmp);
-        CHECK(mkdtemp(dir) != NULL);
-        CHECK_OK(m3_preset(w.a.preset, &cfg));
-        if (w.a.topk)
-            cfg.topk_blocks = w.a.topk, cfg.init_blocks = 0, cfg.local_blocks = 1;
-        m3_synth_opts so = {11, false, 0};
-        CHECK_OK(m3_synth(&cfg, dir, &so));
+        CHECK_OK(mono_synth_preset(w.a.preset, w.a.topk, 11, dir, sizeof dir));
         if (check_failures_)
             return check_summary("test_cuda_walk");
     }

@@ -5,14 +5,18 @@
  * between the last chosen and the first passed-over block score. A gap
  * within rounding means either choice is right, so a row whose outputs
  * part there is a near-tie, not a fault. Also where a slot's cache entries
- * live, for the tests that read them back. Header-only (static inline) so
+ * live, for the tests that read them back, the relative L2 error of bf16
+ * rows, and a preset synthesized at M3's selection shape, for the walks
+ * (test_mono_walk, test_cuda_walk). Header-only (static inline) so
  * each test stays one translation unit.
  */
 #ifndef M3_TESTS_MONO_CHECK_H
 #define M3_TESTS_MONO_CHECK_H
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "cache/cache.h"
@@ -93,6 +97,36 @@ static inline uint16_t *mono_entry_ptr(const m3_cache_layer *cl, int64_t slot, i
     if (e < 2 * Nkv)
         return (uint16_t *)cl->v + ((page * Nkv + (e - Nkv)) * M3_PAGE_TOKENS + off) * D;
     return (uint16_t *)cl->index + (page * M3_PAGE_TOKENS + off) * Di;
+}
+
+/* Relative L2 error of n bf16 values against ref (absolute where ref is
+ * all zeros); *nan is set where got is not finite and ref is. */
+static inline double mono_rel_l2(const uint16_t *got, const uint16_t *ref, int n, bool *nan) {
+    double d = 0, r = 0;
+    for (int i = 0; i < n; i++) {
+        double g = m3_bf16_to_f32(got[i]), f = m3_bf16_to_f32(ref[i]);
+        if (!isfinite(g) && isfinite(f))
+            *nan = true;
+        d += (g - f) * (g - f), r += f * f;
+    }
+    return r > 0 ? sqrt(d / r) : sqrt(d);
+}
+
+/* Synthesize preset into a new temporary folder (dir, of size bytes): with
+ * topk > 0, M3's selection shape (top-topk blocks, no init block, one local
+ * block). */
+static inline m3_status mono_synth_preset(const char *preset, int topk, uint64_t seed,
+                                          char *dir, size_t size) {
+    const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    snprintf(dir, size, "%s/m3_walk_XXXXXX", tmp);
+    if (!mkdtemp(dir))
+        return m3_fail(M3_ERR_IO, "mkdtemp %s", dir);
+    m3_config cfg;
+    M3_TRY(m3_preset(preset, &cfg));
+    if (topk)
+        cfg.topk_blocks = topk, cfg.init_blocks = 0, cfg.local_blocks = 1;
+    m3_synth_opts so = {seed, false, 0};
+    return m3_synth(&cfg, dir, &so);
 }
 
 #endif

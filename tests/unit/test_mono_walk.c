@@ -96,17 +96,6 @@ static m3_status entries(walk *w, const m3_cache_layer *cl, int64_t slot, uint16
     return M3_OK;
 }
 
-static double rel_l2(const uint16_t *got, const uint16_t *ref, int n, bool *nan) {
-    double d = 0, r = 0;
-    for (int i = 0; i < n; i++) {
-        double g = m3_bf16_to_f32(got[i]), f = m3_bf16_to_f32(ref[i]);
-        if (!isfinite(g) && isfinite(f))
-            *nan = true;
-        d += (g - f) * (g - f), r += f * f;
-    }
-    return r > 0 ? sqrt(d / r) : sqrt(d);
-}
-
 /* The nearest tie among the step's block choices (every index head). */
 static double select_gap(const walk *w, const m3_step *st) {
     const m3_config *c = &w->e->cfg;
@@ -162,8 +151,9 @@ static m3_status fused_layer(walk *w, int step, int li) {
     M3_TRY(entries(w, cl, slot, w->mo_ent, 0));
     /* compare */
     bool nan = false;
-    double rh = rel_l2(w->mo_h, w->st_h, w->H, &nan), rr = rel_l2(w->mo_r, w->st_r, w->H, &nan);
-    double re = rel_l2(w->mo_ent, w->st_ent, (int)nent, &nan);
+    double rh = mono_rel_l2(w->mo_h, w->st_h, w->H, &nan);
+    double rr = mono_rel_l2(w->mo_r, w->st_r, w->H, &nan);
+    double re = mono_rel_l2(w->mo_ent, w->st_ent, (int)nent, &nan);
     bool same = !memcmp(w->mo_h, w->st_h, hb) && !memcmp(w->mo_r, w->st_r, hb) &&
                 !memcmp(w->mo_ent, w->st_ent, nent * 2);
     double rgap = mono_route_gap(w->front->model, li, w->x2), sgap = select_gap(w, st);
@@ -229,7 +219,8 @@ static m3_status chain_step(walk *w, int step) {
         M3_TRY(down(w, w->mo_r, e->s.residual, hb));
         const uint16_t *sh = w->chain_h + (size_t)li * w->H, *sr = w->chain_r + (size_t)li * w->H;
         bool nan = false, same = !memcmp(w->mo_h, sh, hb) && !memcmp(w->mo_r, sr, hb);
-        double rh = rel_l2(w->mo_h, sh, w->H, &nan), rr = rel_l2(w->mo_r, sr, w->H, &nan);
+        double rh = mono_rel_l2(w->mo_h, sh, w->H, &nan);
+        double rr = mono_rel_l2(w->mo_r, sr, w->H, &nan);
         printf("chain step %d layer %2d (%s): hidden relL2 %.2e, residual %.2e%s\n", step, li,
                fused ? "mono" : "stock", rh, rr, nan ? ", NaN" : "");
         w->chain_parted += nan || (!w->cuda && !same);
@@ -372,15 +363,7 @@ int main(int argc, char **argv) {
     w.cuda = !strcmp(w.a.device, "cuda");
     char dir[512] = "";
     if (!w.a.model) { /* synthesize the preset */
-        m3_config cfg;
-        const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
-        snprintf(dir, sizeof dir, "%s/m3_mono_walk_XXXXXX", tmp);
-        CHECK(mkdtemp(dir) != NULL);
-        CHECK_OK(m3_preset(w.a.preset, &cfg));
-        if (w.a.topk)
-            cfg.topk_blocks = w.a.topk, cfg.init_blocks = 0, cfg.local_blocks = 1;
-        m3_synth_opts so = {7, false, 0};
-        CHECK_OK(m3_synth(&cfg, dir, &so));
+        CHECK_OK(mono_synth_preset(w.a.preset, w.a.topk, 7, dir, sizeof dir));
         if (check_failures_)
             return check_summary("test_mono_walk");
     }
