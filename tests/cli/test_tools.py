@@ -8,7 +8,8 @@
   stand-in (it records the CUDAFLAGS it was given and writes a fake m3 and a
   ctest folder): `extra NAME REV CUDAFLAGS` reaches that build only, the
   table labels it with its flags, and `run --test-all` runs every build's
-  tests where `--test` runs the working tree's only.
+  tests where `--test` runs the working tree's only; after `prebuild`,
+  `run` times the kept binaries and builds only a tree changed since.
 
 - tests/gpu/cuda_configs.py with `--device cpu` (the CPU engine on both
   sides: every check passes, a mono refusal counts as a pass) and its
@@ -72,14 +73,15 @@ def check_mono_trace(work):
 STAND_IN = r"""#!/bin/bash
 # a stand-in for scripts/gpu-check's build stage: records CUDAFLAGS, writes a
 # fake m3 (prints one benchmark point) and a ctest folder with one gpu test
-mkdir -p "$OUT" build-gpu
+B=${BUILD:-build-gpu}
+mkdir -p "$OUT" "$B"
 echo "CUDAFLAGS=[$CUDAFLAGS]" >"$OUT/flags.txt"
-cat >build-gpu/m3 <<'EOM'
+cat >"$B/m3" <<'EOM'
 #!/bin/bash
 echo '{"points":[{"path":"mono","rows":1,"context":4096,"median_us":100.0}]}'
 EOM
-chmod +x build-gpu/m3
-cat >build-gpu/CTestTestfile.cmake <<EOM
+chmod +x "$B/m3"
+cat >"$B/CTestTestfile.cmake" <<EOM
 add_test(stand_in "/bin/true")
 set_tests_properties(stand_in PROPERTIES LABELS "gpu")
 EOM
@@ -135,6 +137,28 @@ def check_gpu_ab(work):
         want = {"base": "CUDAFLAGS=[]", "new": "CUDAFLAGS=[]", "sw": "CUDAFLAGS=[-DM3_SWITCH=8]"}
         if flags != want:
             fail("gpu-ab: build flags %s, expected %s" % (flags, want))
+    # prebuild: each tree's m3 kept in .ab; run times those without building
+    # (no build's flags.txt), and a tree changed since is built again
+    sh(["scripts/gpu-ab", "prebuild"], repo, dict(env, TMPDIR=work))
+    os.makedirs(os.path.join(repo, "src"), exist_ok=True)
+    open(os.path.join(repo, "src", "changed.c"), "w").write("/* changed */\n")
+    out_dir = os.path.join(work, "out-prebuilt")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    log = sh(["scripts/gpu-ab", "run", "--rows", "1", "--rounds", "1"], repo,
+             dict(env, OUT=out_dir))
+    used = sorted(l.split()[1].rstrip(":") for l in log.splitlines()
+                  if l.endswith(": prebuilt m3"))
+    if used != ["base", "sw"] or "new: its sources changed since prebuild" not in log:
+        fail("gpu-ab prebuild: prebuilt m3 used for %s, expected base and sw\n%s" % (used, log))
+    raw = os.path.join(work, "raw-prebuilt")
+    shutil.rmtree(raw, ignore_errors=True)
+    os.makedirs(raw)
+    sh(["tar", "xzf", os.path.join(out_dir, "ab-raw.tgz"), "-C", raw], work)
+    built = sorted(t for t in ("base", "new", "sw")
+                   if os.path.exists(os.path.join(raw, t, "flags.txt")))
+    if built != ["new"] or "| sw 1 (HEAD -DM3_SWITCH=8) | 100.0 |" not in \
+            open(os.path.join(out_dir, "ab.md")).read():
+        fail("gpu-ab prebuild: built %s on the device, expected new only" % built)
 
 
 def check_cuda_configs(m3, work, quick):
