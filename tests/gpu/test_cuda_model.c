@@ -134,7 +134,8 @@ typedef struct row_stats {
     int identical;   /* rows equal bit for bit */
 } row_stats;
 
-static void rows_add(row_stats *s, int *n, const float *got, const float *ref, int V) {
+/* One row into the stats; its own comparison returned. */
+static gpu_cmp rows_add(row_stats *s, int *n, const float *got, const float *ref, int V) {
     gpu_cmp c = gpu_compare_f32(got, ref, V);
     s->max_rel = c.rel_l2 > s->max_rel ? c.rel_l2 : s->max_rel;
     s->max_abs = c.max_abs > s->max_abs ? c.max_abs : s->max_abs;
@@ -142,6 +143,7 @@ static void rows_add(row_stats *s, int *n, const float *got, const float *ref, i
     s->bad += c.bad_special;
     s->identical += memcmp(got, ref, (size_t)V * 4) == 0;
     (*n)++;
+    return c;
 }
 
 static const char *verdict_of(const row_stats *s) {
@@ -393,8 +395,7 @@ static bool prefill_compare(ctx *c, const char *test, m3_seq sc, m3_seq sg, floa
         double *rel = gpu_xmalloc(PROMPT * 8);
         diagnosis *d = calloc(1, sizeof *d);
         for (int t = 0; t < PROMPT; t++) {
-            gpu_cmp r = gpu_compare_f32(all_g + (size_t)t * V, all_c + (size_t)t * V, V);
-            rows_add(&s, &n, all_g + (size_t)t * V, all_c + (size_t)t * V, V);
+            gpu_cmp r = rows_add(&s, &n, all_g + (size_t)t * V, all_c + (size_t)t * V, V);
             rel[t] = r.rel_l2, row_abs[t] = (float)r.max_abs;
         }
         if (s.max_rel > TOL_LOGITS || s.bad)
@@ -443,9 +444,8 @@ static void teacher_forced(ctx *c) {
         if (!ok(c, t2, m3_engine_step(c->cpu, &qc, 1, lc, NULL), "CPU decode") ||
             !ok(c, t2, m3_engine_step(c->gpu, &qg, 1, lg, NULL), "CUDA decode"))
             goto out;
-        gpu_cmp r = gpu_compare_f32(lg, lc, V);
+        gpu_cmp r = rows_add(&d, &n, lg, lc, V);
         rel[k] = r.rel_l2, row_abs[PROMPT + k] = (float)r.max_abs;
-        rows_add(&d, &n, lg, lc, V);
         tok = gpu_argmax(lc, V);
     }
     c->have_forced = true;
@@ -627,9 +627,8 @@ static void concurrency_case(ctx *c, int n, bool mixed) {
         int rows = 0, over = 0;
         double rel[MAX_BATCH * BATCH_STEPS];
         for (size_t r = 0; r < (size_t)n * BATCH_STEPS; r++) {
-            rel[r] = gpu_compare_f32(batch + r * c->V, alone + r * c->V, c->V).rel_l2;
+            rel[r] = rows_add(&s, &rows, batch + r * c->V, alone + r * c->V, c->V).rel_l2;
             over += rel[r] > TOL_LOGITS;
-            rows_add(&s, &rows, batch + r * c->V, alone + r * c->V, c->V);
         }
         double median = quantile(rel, rows, 0.5);
         const char *v = !mixed ? verdict_of(&s)

@@ -138,9 +138,10 @@ static m3_status force_cache(walk *w, int li) {
     return M3_OK;
 }
 
-/* One layer of the built step on both engines from the CPU's input; the
- * rows compared and classified; then the GPU made to hold the CPU's
- * outputs and cache entries. */
+/* One layer of the built step on both engines from the CPU's input (the
+ * CPU's hidden and residual, uploaded to the GPU first: the embedding at
+ * layer 0, else the CPU's previous layer's output); the rows compared and
+ * classified; then the GPU made to hold the CPU's cache entries. */
 static m3_status walk_layer(walk *w, const char *what, int li) {
     const m3_step *st = &w->cpu->step;
     const m3_layer_weights *lw = &w->model->w.layers[li];
@@ -223,9 +224,8 @@ static m3_status walk_layer(walk *w, const char *what, int li) {
     w->rows_checked += T, w->rows_over += over, w->sel_rows += sel_rows;
     w->sel_ties += sel_ties, w->route_ties += route_ties, w->faults += faults;
     w->worst_h = fmax(w->worst_h, max_h), w->worst_violation = fmax(w->worst_violation, max_v);
-    /* teacher forcing: the GPU's outputs and entries become the CPU's */
-    M3_TRY(up(w->gpu, w->gpu->s.hidden, w->ch, hb));
-    M3_TRY(up(w->gpu, w->gpu->s.residual, w->cr, hb));
+    /* teacher forcing: the GPU's entries become the CPU's (its next
+     * layer's input is the CPU's output, uploaded at that layer's start) */
     return force_cache(w, li);
 }
 

@@ -112,15 +112,17 @@ static inline double mono_rel_l2(const uint16_t *got, const uint16_t *ref, int n
     return r > 0 ? sqrt(d / r) : sqrt(d);
 }
 
-/* Synthesize preset into a new temporary folder (dir, of size bytes): with
- * topk > 0, M3's selection shape (top-topk blocks, no init block, one local
- * block). */
+/* Synthesize preset into a new temporary folder (dir, of size bytes; ""
+ * when none was made): with topk > 0, M3's selection shape (top-topk
+ * blocks, no init block, one local block). */
 static inline m3_status mono_synth_preset(const char *preset, int topk, uint64_t seed,
                                           char *dir, size_t size) {
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     snprintf(dir, size, "%s/m3_walk_XXXXXX", tmp);
-    if (!mkdtemp(dir))
-        return m3_fail(M3_ERR_IO, "mkdtemp %s", dir);
+    if (!mkdtemp(dir)) {
+        dir[0] = 0; /* nothing to remove */
+        return m3_fail(M3_ERR_IO, "cannot create a folder under %s", tmp);
+    }
     m3_config cfg;
     M3_TRY(m3_preset(preset, &cfg));
     if (topk)
