@@ -7,7 +7,9 @@ the bytes the step must read and the floor) and bench/torch_layer.py's JSON
 (--torch: records per mode). Output in --out: results.md (a markdown table: per
 point the floor, each path's time and time/floor) and perf.png (time/floor
 against rows, one panel per context, a line per path). The floor of every
-path is m3's byte count over the bandwidth measured in the same run.
+path is m3's byte count over the bandwidth measured in the same run; where
+the JSON has it, the read-only column is one streaming kernel over the same
+bytes (its ramp and tail in), the most any one-kernel step could do.
 """
 import argparse
 import json
@@ -51,9 +53,9 @@ def main():
     lines = [f"Read bandwidth measured in the run: {bw:.0f} GB/s. Times are medians of "
              "graph replays (torch-eager: of eager calls), in microseconds; "
              "(x) is time / floor.", "",
-             "| rows | context | MB read | floor us | " +
+             "| rows | context | MB read | floor us | read-only us (x) | " +
              " | ".join(f"{n} us (x)" for n in names) + " |",
-             "|" + "---|" * (4 + len(names))]
+             "|" + "---|" * (5 + len(names))]
     for key in sorted(floors, key=lambda k: (k[1], k[0])):
         rows, ctx = key
         cells = []
@@ -62,7 +64,9 @@ def main():
             cells.append(f"{p['median_us']:.1f} ({p['median_us'] / floors[key]:.2f})"
                          if p else "-")
         mb = paths["stock"][key]["bytes"] / 1e6
-        lines.append(f"| {rows} | {ctx} | {mb:.1f} | {floors[key]:.1f} | " +
+        rd = paths["stock"][key].get("read_us")
+        rd_cell = f"{rd:.1f} ({rd / floors[key]:.2f})" if rd else "-"
+        lines.append(f"| {rows} | {ctx} | {mb:.1f} | {floors[key]:.1f} | {rd_cell} | " +
                      " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "results.md"), "w") as f:

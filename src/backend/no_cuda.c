@@ -29,6 +29,10 @@ m3_status m3_cuda_read_bandwidth(m3_backend *be, size_t bytes, int iters, double
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 
+m3_status m3_cuda_read_time(m3_backend *be, size_t bytes, int iters, double *us) {
+    return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
+}
+
 m3_status m3_cuda_timed_launch(m3_backend *be, void *graph, double *us) {
     return m3_fail(M3_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }

@@ -310,6 +310,10 @@ static m3_status run_point(bench_ctx *b, int rows, int64_t context, int iters, d
     p->cache_bytes = rows * cache_bytes_per_row(c, b->w, context, b->cp ? 1.0 / b->world : 1.0);
     p->bytes = p->weight_bytes + p->cache_bytes;
     p->floor_us = p->bytes / (gbps * 1e9) * 1e6;
+    /* what streaming the same bytes costs one kernel, ramp and tail in */
+    st = m3_cuda_read_time(rank_engine(b, 0)->be, (size_t)p->bytes, 20, &p->read_us);
+    if (st)
+        return m3_fail_context(st, "rows %d, context %lld", rows, (long long)context);
     return M3_OK;
 }
 
@@ -427,9 +431,11 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
             st = run_point(&b, o->rows[j], o->contexts[i], o->iters, out->read_gb_per_s, p);
             if (!st) {
                 out->n_points++;
-                fprintf(stderr, "bench: rows %2d context %7lld: %8.1f us, floor %8.1f us (%.2fx)",
+                fprintf(stderr,
+                        "bench: rows %2d context %7lld: %8.1f us, floor %8.1f us (%.2fx), "
+                        "one read-only kernel %.1f us",
                         p->rows, (long long)p->context, p->median_us, p->floor_us,
-                        p->median_us / p->floor_us);
+                        p->median_us / p->floor_us, p->read_us);
                 if (b.world > 1)
                     fprintf(stderr, ", stock all-reduces alone %.1f us", p->allreduce_us);
                 fputc('\n', stderr);

@@ -33,6 +33,7 @@ typedef struct m3_bench_point {
     const char *path;
     double median_us, min_us;
     double bytes, floor_us;
+    double read_us;            /* one read-only kernel over `bytes` (cuda_bench.h) */
     double weight_bytes, cache_bytes;
     double unique_experts;     /* mean over rotation sets */
     int sets;                  /* input sets rotated through */

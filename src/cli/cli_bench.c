@@ -73,14 +73,14 @@ static bool parse_list(const char *flag, const char *text, int64_t lo, int64_t h
 static void print_table(const m3_bench_layer_result *r) {
     printf("read bandwidth: %.0f GB/s\n", r->read_gb_per_s);
     printf("| path | tp | layer | rows | context | time us | min us | MB read | floor us | "
-           "time/floor | all-reduce us | experts | sets |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+           "time/floor | read-only us | all-reduce us | experts | sets |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < r->n_points; i++) {
         const m3_bench_point *p = &r->points[i];
-        printf("| %s | %d | %d | %d | %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %.1f | %d "
-               "|\n",
+        printf("| %s | %d | %d | %d | %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f "
+               "| %d |\n",
                p->path, p->tp, p->layer, p->rows, (long long)p->context, p->median_us, p->min_us,
-               p->bytes / 1e6, p->floor_us, p->median_us / p->floor_us, p->allreduce_us,
+               p->bytes / 1e6, p->floor_us, p->median_us / p->floor_us, p->read_us, p->allreduce_us,
                p->unique_experts, p->sets);
     }
 }
@@ -101,6 +101,7 @@ static void print_json(const m3_bench_layer_result *r) {
         cJSON_AddNumberToObject(j, "weight_bytes", p->weight_bytes);
         cJSON_AddNumberToObject(j, "cache_bytes", p->cache_bytes);
         cJSON_AddNumberToObject(j, "floor_us", p->floor_us);
+        cJSON_AddNumberToObject(j, "read_us", p->read_us);
         cJSON_AddNumberToObject(j, "unique_experts", p->unique_experts);
         cJSON_AddNumberToObject(j, "sets", p->sets);
         cJSON_AddNumberToObject(j, "tp", p->tp);

@@ -67,6 +67,79 @@ extern "C" m3_status m3_cuda_read_bandwidth(m3_backend *be, size_t bytes, int it
     return M3_OK;
 }
 
+/* The time one read-only kernel takes over `bytes`, the same kernel as
+ * m3_cuda_read_bandwidth at the size of one step: its ramp, tail and the
+ * gap between two kernels of a graph are in it, as they are in a layer's
+ * graph replay. A graph of kReadLaunches launches, each over a fresh window
+ * of a pool several times the L2 (so no launch reads what the one before
+ * left in L2), is replayed iters times; *us = median replay / launches. */
+extern "C" m3_status m3_cuda_read_time(m3_backend *be, size_t bytes, int iters, double *us) {
+    enum { kReadLaunches = 8 };
+    m3_cuda *cu = m3_cuda_of(be);
+    if (bytes < 16 || iters < 1)
+        return m3_fail(M3_ERR_INVALID_ARG, "read time: %zu bytes, %d iterations", bytes, iters);
+    const size_t window = (bytes + 255) & ~(size_t)255;
+    const size_t pool = std::max((size_t)1 << 30, window * 3);
+    void *buf = NULL, *sink = NULL;
+    M3_CUDA_TRY(cudaMalloc(&buf, pool));
+    cudaError_t err = cudaMalloc(&sink, 1 << 20);
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    cudaEvent_t a = NULL, b = NULL;
+    if (err == cudaSuccess)
+        err = cudaMemsetAsync(buf, 0x5a, pool, cu->stream);
+    if (err == cudaSuccess)
+        err = cudaStreamBeginCapture(cu->stream, cudaStreamCaptureModeThreadLocal);
+    if (err == cudaSuccess) {
+        const unsigned grid = (unsigned)cu->sm_count * 8;
+        size_t off = 0;
+        for (int i = 0; i < kReadLaunches; i++) {
+            if (off + window > pool)
+                off = 0;
+            read_bw_kernel<<<grid, 512, 0, cu->stream>>>(
+                (const uint4 *)((const char *)buf + off), bytes / 16, (uint32_t *)sink);
+            off += window;
+        }
+        cudaError_t end = cudaStreamEndCapture(cu->stream, &g);
+        err = err == cudaSuccess ? end : err;
+    }
+    if (err == cudaSuccess)
+        err = cudaGraphInstantiate(&ge, g, 0);
+    if (err == cudaSuccess)
+        err = cudaEventCreate(&a);
+    if (err == cudaSuccess)
+        err = cudaEventCreate(&b);
+    std::vector<float> ms;
+    for (int i = 0; err == cudaSuccess && i < iters + 2; i++) {
+        cudaEventRecord(a, cu->stream);
+        err = cudaGraphLaunch(ge, cu->stream);
+        cudaEventRecord(b, cu->stream);
+        if (err == cudaSuccess)
+            err = cudaEventSynchronize(b);
+        float t = 0;
+        if (err == cudaSuccess)
+            err = cudaEventElapsedTime(&t, a, b);
+        if (i >= 2) /* two warm-ups */
+            ms.push_back(t);
+    }
+    if (a)
+        cudaEventDestroy(a);
+    if (b)
+        cudaEventDestroy(b);
+    if (ge)
+        cudaGraphExecDestroy(ge);
+    if (g)
+        cudaGraphDestroy(g);
+    cudaFree(buf);
+    if (sink)
+        cudaFree(sink);
+    if (err != cudaSuccess)
+        return m3_cuda_error(err, "read time", __FILE__, __LINE__);
+    std::sort(ms.begin(), ms.end());
+    *us = ms[ms.size() / 2] * 1e3 / kReadLaunches;
+    return M3_OK;
+}
+
 extern "C" m3_status m3_cuda_timed_launch(m3_backend *be, void *graph, double *us) {
     m3_cuda *cu = m3_cuda_of(be);
     cudaEvent_t a, b;

@@ -17,6 +17,11 @@
 /* Read a buffer of `bytes` (several times the L2) iters times with 16-byte
  * loads; *gb_per_s = bytes read / median time. */
 m3_status m3_cuda_read_bandwidth(m3_backend *be, size_t bytes, int iters, double *gb_per_s);
+/* One read-only kernel over `bytes` (the kernel above, in a graph, each
+ * launch over memory the one before did not leave in L2): *us = median
+ * microseconds per launch over iters replays. A step of the same bytes
+ * cannot stream them faster than this. */
+m3_status m3_cuda_read_time(m3_backend *be, size_t bytes, int iters, double *us);
 /* Launch graph once between two events; *us = elapsed microseconds. */
 m3_status m3_cuda_timed_launch(m3_backend *be, void *graph, double *us);
 /* dst[0..n) = bf16 values uniform in [-scale, scale), a function of (seed, i). */
