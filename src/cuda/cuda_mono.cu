@@ -161,7 +161,7 @@ struct m3_cuda_mono {
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
     /* tuning knobs (see m3_cuda_mono_create) */
-    int spin_ns, poll_acquire, shdn_early, edn_sub, pin, idx_claim, idx_run, idx_min_pages;
+    int spin_ns, poll_acquire, shdn_early, edn_sub, shdn_sub, pin, idx_claim, idx_run, idx_min_pages;
     uint16_t *dry_rows; /* M3_MONO_PIN=2 scratch (see MonoArgs) */
     float *dry_logits;
     int32_t *dry_plan;
@@ -313,6 +313,11 @@ static void read_knobs(m3_cuda_mono *m) {
      * default: 8 above 8 rows, else 4; fewer, larger items pay at 16 rows,
      * not at one) */
     m->edn_sub = env_int("M3_MONO_EDN_SUB", 0, 0, 8);
+    /* M3_MONO_SHDN_SUB=n: 8-column tiles per shared down item, walked with
+     * the routed down's weight ring (0, the default: as the routed down
+     * items; 1: a tile per item, gemv_rows; only where the shared width
+     * fits one staged chunk, unsplit, bf16, else 1) */
+    m->shdn_sub = env_int("M3_MONO_SHDN_SUB", 0, 0, 8);
     /* M3_MONO_PIN=n: CTAs of their own for norm2 and the routing plan
      * (MonoArgs.pin); with 2 they run both once dry while they would wait
      * anyway, so the real ones find their code in the SM's instruction
@@ -885,6 +890,9 @@ static void args_buffers(const m3_cuda_mono *m, const m3_step *st, const m3_cach
     a->poll_acquire = m->poll_acquire;
     a->shdn_early = m->shdn_early >= 0 ? m->shdn_early : (a->T <= 4 ? 25 : 100);
     a->edn_sub = m->edn_sub ? m->edn_sub : (a->T > 8 ? 8 : 4);
+    a->shdn_sub = a->Is && m->s_shdn == 1 && a->Is <= kKC && !a->shd.fp8
+                      ? (m->shdn_sub ? m->shdn_sub : a->edn_sub)
+                      : 1;
     /* CTAs of their own for norm2 and the plan only where more CTAs than
      * rows run the queue; dry runs only at world 1 (a dry all-reduce would
      * wait for peers) */

@@ -141,6 +141,7 @@ struct MonoArgs {
     int spin_ns;      /* M3_MONO_SPIN_NS */
     int shdn_early;   /* M3_MONO_SHDN_EARLY: % of the shared down items queued early */
     int edn_sub;      /* M3_MONO_EDN_SUB: 8-column tiles per routed down item (1..8) */
+    int shdn_sub;     /* 8-column tiles per shared down item (1: a tile and a K slice each) */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed
                        * polls, then one acquire) */
     int pin;          /* M3_MONO_PIN: 0 every item from the queue; 1 norm2 of row t on

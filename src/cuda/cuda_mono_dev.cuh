@@ -422,6 +422,117 @@ __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
                 acc[r][t] = m3_warp_sum(acc[r][t]);
 }
 
+/* A weight ring in shared memory for the streaming items (gemv_ring, and
+ * cuda_mono_ffn.cuh down_walk): SLOTS chunks of this CTA's 8 output rows
+ * (each warp its two, each lane its own pieces) after the staged
+ * activations of NR rows, in the shared memory the attention items size. */
+constexpr int kWalkSlotU4 = kWarps * kRW * kKU * 32; /* uint4 per slot (16 KB) */
+template <int NR>
+__host__ __device__ constexpr int walk_xs_bytes() { return NR * kKC * 2; }
+template <int NR>
+__host__ __device__ constexpr int walk_slots() {
+    return walk_xs_bytes<NR>() + 3 * kWalkSlotU4 * 16 <= kAttnSmem ? 3 : 2;
+}
+static_assert(walk_xs_bytes<kMaxT>() + 2 * kWalkSlotU4 * 16 <= kAttnSmem,
+              "the down walk's ring fits the attention items' shared memory");
+
+/* The ring's slot j: this lane's pieces of this warp's rows [n0, n0 + 2)
+ * of W over columns [kc, kc + kn) (zeros past N and kn), one cp.async
+ * group. */
+__device__ __forceinline__ void ring_issue(uint4 *mine, const WRow &W, int64_t n0, int64_t N,
+                                           int kc, int kn, int lane) {
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int u = 0; u < kKU; u++) {
+            const int k = lane * 8 + u * 256;
+            const bool ok = n0 + r < N && k < kn;
+            cp_async16(mine + (r * kKU + u) * 32,
+                       ok ? W.w + (n0 + r) * W.w_row + (int64_t)(kc + k) * 2 : W.w, ok);
+        }
+    cp_async_commit();
+}
+
+/* Wait until at most `behind` (0..2) cp.async groups issued after the one
+ * wanted are pending. */
+__device__ __forceinline__ void ring_wait(int behind) {
+    if (behind >= 2)
+        cp_async_wait<2>();
+    else if (behind == 1)
+        cp_async_wait<1>();
+    else
+        cp_async_wait<0>();
+}
+
+/* gemv_rows over all K for bf16 weights (no split, no input wait), with the
+ * weights in a ring of SLOTS chunks in shared memory, SLOTS - 1 chunks
+ * ahead, and the next chunk's activations in registers while this one's
+ * products run: gemv_kloop has one chunk's weights in flight per warp and
+ * stages each chunk's activations after its weights are asked for, so every
+ * chunk is a DRAM round trip (the routed gate/up items, 6 chunks of 16 KB,
+ * ran at 2.1-3.0 TB/s: twenty-first session's trace). The same products in
+ * the same order: the same bits. Every thread of the CTA calls it. */
+template <int NR>
+__device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int64_t N, int K,
+                          const uint16_t *const *rowp, int rows, uint16_t *xs, uint4 *ring) {
+    static_assert(kKC / 8 == kThreads, "a chunk's row is one 16-byte piece per thread");
+    constexpr int SLOTS = walk_slots<NR>();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint4 *mine = ring + warp * (kRW * kKU * 32) + lane;
+    const int nch = (K + kKC - 1) / kKC;
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            acc[r][t] = 0.0f;
+    for (int j = 0; j < SLOTS - 1 && j < nch; j++)
+        ring_issue(mine + j * kWalkSlotU4, W, n0, N, j * kKC, min(kKC, K - j * kKC), lane);
+    __syncthreads(); /* rowp published */
+    /* this thread's piece (8 columns) of each row of a chunk */
+    const int col = threadIdx.x * 8;
+    uint4 xr[NR];
+    auto load_x = [&](int kc) {
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            xr[t] = t < rows && kc + col < K
+                        ? __ldcg(reinterpret_cast<const uint4 *>(rowp[t] + kc + col))
+                        : make_uint4(0, 0, 0, 0);
+    };
+    load_x(0);
+#pragma unroll 1
+    for (int c = 0; c < nch; c++) {
+        const int kc = c * kKC, kn = min(kKC, K - kc);
+        if (c + SLOTS - 1 < nch) /* its slot held chunk c - 1, read in the last pass */
+            ring_issue(mine + ((c + SLOTS - 1) % SLOTS) * kWalkSlotU4, W, n0, N,
+                       kc + (SLOTS - 1) * kKC, min(kKC, K - kc - (SLOTS - 1) * kKC), lane);
+        __syncthreads(); /* every warp is done with the last chunk's xs */
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            *reinterpret_cast<uint4 *>(xs + t * kKC + col) = xr[t];
+        if (c + 1 < nch)
+            load_x(kc + kKC);
+        ring_wait(min(nch - 1 - c, SLOTS - 1));
+        __syncthreads();
+        mark(); /* the chunk's activations staged */
+        WBuf<false> cur;
+        const uint4 *src = mine + (c % SLOTS) * kWalkSlotU4;
+#pragma unroll
+        for (int r = 0; r < kRW; r++)
+#pragma unroll
+            for (int u = 0; u < kKU; u++)
+                cur.wv[r][u] = src[(r * kKU + u) * 32];
+        if (n0 < N)
+            chunk_fma<NR, false>(acc, cur, kn, xs, lane, rows);
+        mark(); /* warp 0's products of the chunk done (thread 0's time) */
+    }
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            if (t == 0 || t < rows)
+                acc[r][t] = m3_warp_sum(acc[r][t]);
+}
+
 /* The fp32-weight GEMV (the router): linear_f32w_kernel's inner loop, two
  * rows per warp. */
 template <int NR>

@@ -252,6 +252,63 @@ __device__ bool router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int
 
 /* ---------------------------------------------------------------- experts */
 
+/* The staged rows (bf16 activations in xs, K columns, K <= kKC) through
+ * this warp's two output rows of each of tiles [tile0, tile0 + ntile) of
+ * bf16 weights W; out(t, n, v) takes each sum. Each tile's weights are
+ * copied into a ring slot (cp.async, no registers) SLOTS - 1 tiles ahead,
+ * so a tile's products and sums run while the next tiles' loads are in
+ * flight. gemv_rows issues a tile's loads only after the tile before it is
+ * summed and written: a DRAM round trip per 12 KB tile, and the routed down
+ * phase ran at 1.4-1.7 TB/s (twenty-first session's trace); a second
+ * register buffer spills. A lane reads back only the pieces it copied
+ * itself, so its own cp.async wait orders them. Each output is the same
+ * warp's sum of the same products in the same order as gemv_rows over one
+ * chunk: the same bits. */
+template <int NR, typename Out>
+__device__ void down_walk(const WRow &W, int64_t N, int K, const uint16_t *xs, uint4 *ring,
+                          int tile0, int ntile, int rows, Out out) {
+    constexpr int SLOTS = walk_slots<NR>();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint4 *mine = ring + warp * (kRW * kKU * 32) + lane; /* + slot, row and piece */
+    auto issue = [&](int j) {
+        ring_issue(mine + (j % SLOTS) * kWalkSlotU4, W,
+                   (int64_t)(tile0 + j) * kTile + warp * kRW, N, 0, K, lane);
+    };
+    for (int j = 0; j < SLOTS - 1 && j < ntile; j++)
+        issue(j);
+#pragma unroll 1
+    for (int j = 0; j < ntile; j++) {
+        /* its slot held tile j - 1, read into registers in the last pass */
+        if (j + SLOTS - 1 < ntile)
+            issue(j + SLOTS - 1);
+        ring_wait(min(ntile - 1 - j, SLOTS - 1)); /* the groups issued after tile j */
+        WBuf<false> cur;
+        const uint4 *src = mine + (j % SLOTS) * kWalkSlotU4;
+#pragma unroll
+        for (int r = 0; r < kRW; r++)
+#pragma unroll
+            for (int u = 0; u < kKU; u++)
+                cur.wv[r][u] = src[(r * kKU + u) * 32];
+        float acc[kRW][NR];
+#pragma unroll
+        for (int r = 0; r < kRW; r++)
+#pragma unroll
+            for (int t = 0; t < NR; t++)
+                acc[r][t] = 0.0f;
+        chunk_fma<NR, false>(acc, cur, K, xs, lane, rows);
+        const int64_t n0 = (int64_t)(tile0 + j) * kTile + warp * kRW;
+#pragma unroll
+        for (int r = 0; r < kRW; r++)
+#pragma unroll
+            for (int t = 0; t < NR; t++)
+                if (t == 0 || t < rows) {
+                    const float v = m3_warp_sum(acc[r][t]);
+                    if (t < rows && lane == r * NR + t && n0 + r < N)
+                        out(t, n0 + r, v);
+                }
+    }
+}
+
 /* 8-column tiles per routed down item (see edn_item) */
 constexpr int kEdnSubMax = 8; /* a.edn_sub <= this (M3_MONO_EDN_SUB) */
 
@@ -354,6 +411,27 @@ __device__ void shgu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
 template <int NR, int V>
 __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                           bool faulted) {
+    /* shdn_sub tiles, all of K, bf16 (cuda_mono.cu); not in the world > 1
+     * kernels at 16 rows, where the walk's registers spilled (ptxas) */
+    if ((!(V & V_TP) || NR <= 8) && a.shdn_sub > 1) {
+        const int tiles = a.H / kTile, tile0 = item * a.shdn_sub;
+        const int ntile = min(a.shdn_sub, tiles - tile0);
+        /* (the kernel's loop waited for the shared gate/up: post_dep) */
+        if (!faulted) {
+            set_rows(ctl, a.sh_act, a.Is, a.T);
+            uint16_t *xs = reinterpret_cast<uint16_t *>(dsm);
+            __syncthreads(); /* rowp published */
+            stage_x<NR>(xs, ctl.rowp, a.T, 0, a.Is);
+            __syncthreads();
+            down_walk<NR>(wrow_of(a.shd), a.H, a.Is, xs,
+                          reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<NR>()), tile0, ntile,
+                          a.T, [&](int t, int64_t n, float v) {
+                              a.sh_out[(size_t)t * a.H + n] = v;
+                          });
+        }
+        combine_arrive_n<V>(a, ctl, tile0, ntile, faulted);
+        return;
+    }
     const int tile = item / a.s_shdn, slice = item % a.s_shdn;
     int k0, k1;
     k_slice(a.Is, a.s_shdn, slice, &k0, &k1);
@@ -391,8 +469,20 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
                 ctl.rowp[threadIdx.x] = a.x2 + (size_t)(m / a.K) * a.H;
             }
             float acc[kRW][ENR];
-            gemv_rows<ENR, V>(acc, W, n0, a.I, 0, a.H, ctl.rowp, rows,
-                           reinterpret_cast<uint16_t *>(dsm), false);
+            /* the ring from 4-row groups (8-16 rows: -2% a layer); at 1-2
+             * rows it made the items slower (+2.6% at one row; twenty-first
+             * session) */
+            bool ring = false;
+            if constexpr (ENR >= 4) {
+                ring = !((V & V_F8) && W.fp8);
+                if (ring)
+                    gemv_ring<ENR>(acc, W, n0, a.I, a.H, ctl.rowp, rows,
+                                   reinterpret_cast<uint16_t *>(dsm),
+                                   reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<ENR>()));
+            }
+            if (!ring)
+                gemv_rows<ENR, V>(acc, W, n0, a.I, 0, a.H, ctl.rowp, rows,
+                                  reinterpret_cast<uint16_t *>(dsm), false);
             acc_to_fin<ENR>(acc, ctl);
             for (int i = threadIdx.x; i < 4 * rows; i += kThreads) {
                 int j = i / rows, t = i % rows;
@@ -429,6 +519,32 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
         f1 = __ldcg(a.ufirst + u + 1);
     }
     wait_count(&a.ctr[a.o_egu + u], (unsigned)(a.I / 4));
+    if (a.I <= kKC && !((V & V_F8) && a.ed.fp8)) { /* one staged chunk (M3: 768), bf16 */
+        if (!faulted) {
+            const WRow W = wrow_expert(a.ed, e);
+            uint16_t *xs = reinterpret_cast<uint16_t *>(dsm);
+            uint4 *ring = reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<ENR>());
+            for (int g0 = f0; g0 < f1; g0 += ENR) {
+                const int rows = min(ENR, f1 - g0);
+                __syncthreads(); /* the previous group's xs and members are consumed */
+                if ((int)threadIdx.x < rows) {
+                    int m = __ldcg(a.members + g0 + threadIdx.x);
+                    ctl.mem[threadIdx.x] = m;
+                    ctl.rowp[threadIdx.x] = a.act + (size_t)m * a.I;
+                }
+                __syncthreads();
+                stage_x<ENR>(xs, ctl.rowp, rows, 0, a.I);
+                __syncthreads();
+                down_walk<ENR>(W, a.H, a.I, xs, ring, tile0, ntile, rows,
+                               [&](int t, int64_t n, float v) {
+                                   a.eout[(size_t)ctl.mem[t] * a.H + n] = v;
+                               });
+            }
+        }
+        mark(); /* the tiles' outputs written */
+        combine_arrive_n<V>(a, ctl, tile0, ntile, faulted);
+        return;
+    }
     for (int j = 0; j < ntile; j++) {
         const int tile = tile0 + j;
         if (!faulted) {
