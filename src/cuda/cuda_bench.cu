@@ -26,60 +26,15 @@ __global__ void read_bw_kernel(const uint4 *__restrict__ src, size_t n, uint32_t
         sink[blockIdx.x] = acc;
 }
 
-extern "C" m3_status m3_cuda_read_bandwidth(m3_backend *be, size_t bytes, int iters,
-                                            double *gb_per_s) {
-    m3_cuda *cu = m3_cuda_of(be);
-    void *buf = NULL, *sink = NULL;
-    M3_CUDA_TRY(cudaMalloc(&buf, bytes));
-    cudaError_t err = cudaMalloc(&sink, 1 << 20);
-    cudaEvent_t a = NULL, b = NULL;
-    if (err == cudaSuccess)
-        err = cudaMemsetAsync(buf, 0x5a, bytes, cu->stream);
-    if (err == cudaSuccess)
-        err = cudaEventCreate(&a);
-    if (err == cudaSuccess)
-        err = cudaEventCreate(&b);
-    std::vector<float> ms;
-    unsigned grid = (unsigned)cu->sm_count * 8;
-    for (int i = 0; err == cudaSuccess && i < iters + 2; i++) {
-        cudaEventRecord(a, cu->stream);
-        read_bw_kernel<<<grid, 512, 0, cu->stream>>>((const uint4 *)buf, bytes / 16,
-                                                    (uint32_t *)sink);
-        cudaEventRecord(b, cu->stream);
-        err = cudaEventSynchronize(b);
-        float t = 0;
-        if (err == cudaSuccess)
-            err = cudaEventElapsedTime(&t, a, b);
-        if (i >= 2) /* two warm-ups */
-            ms.push_back(t);
-    }
-    if (a)
-        cudaEventDestroy(a);
-    if (b)
-        cudaEventDestroy(b);
-    cudaFree(buf);
-    if (sink)
-        cudaFree(sink);
-    if (err != cudaSuccess)
-        return m3_cuda_error(err, "read bandwidth", __FILE__, __LINE__);
-    std::sort(ms.begin(), ms.end());
-    *gb_per_s = (double)bytes / (ms[ms.size() / 2] * 1e-3) / 1e9;
-    return M3_OK;
-}
-
-/* The time one read-only kernel takes over `bytes`, the same kernel as
- * m3_cuda_read_bandwidth at the size of one step: its ramp, tail and the
- * gap between two kernels of a graph are in it, as they are in a layer's
- * graph replay. A graph of kReadLaunches launches, each over a fresh window
- * of a pool several times the L2 (so no launch reads what the one before
- * left in L2), is replayed iters times; *us = median replay / launches. */
-extern "C" m3_status m3_cuda_read_time(m3_backend *be, size_t bytes, int iters, double *us) {
-    enum { kReadLaunches = 8 };
-    m3_cuda *cu = m3_cuda_of(be);
-    if (bytes < 16 || iters < 1)
-        return m3_fail(M3_ERR_INVALID_ARG, "read time: %zu bytes, %d iterations", bytes, iters);
+/* The median time of one read-only kernel over `bytes`: a graph of
+ * `launches` kernels, the i-th over window i of a pool of `pool` bytes
+ * (windows of `bytes` rounded up to 256, wrapping), replayed iters times
+ * after two warm-ups; *us = median replay / launches. With windows a pool
+ * several times the L2 apart, no launch reads what the one before left in
+ * L2. */
+static m3_status time_reads(m3_cuda *cu, size_t pool, size_t bytes, int launches, int iters,
+                            double *us) {
     const size_t window = (bytes + 255) & ~(size_t)255;
-    const size_t pool = std::max((size_t)1 << 30, window * 3);
     void *buf = NULL, *sink = NULL;
     M3_CUDA_TRY(cudaMalloc(&buf, pool));
     cudaError_t err = cudaMalloc(&sink, 1 << 20);
@@ -93,7 +48,7 @@ extern "C" m3_status m3_cuda_read_time(m3_backend *be, size_t bytes, int iters, 
     if (err == cudaSuccess) {
         const unsigned grid = (unsigned)cu->sm_count * 8;
         size_t off = 0;
-        for (int i = 0; i < kReadLaunches; i++) {
+        for (int i = 0; i < launches; i++) {
             if (off + window > pool)
                 off = 0;
             read_bw_kernel<<<grid, 512, 0, cu->stream>>>(
@@ -134,10 +89,33 @@ extern "C" m3_status m3_cuda_read_time(m3_backend *be, size_t bytes, int iters, 
     if (sink)
         cudaFree(sink);
     if (err != cudaSuccess)
-        return m3_cuda_error(err, "read time", __FILE__, __LINE__);
+        return m3_cuda_error(err, "read timing", __FILE__, __LINE__);
     std::sort(ms.begin(), ms.end());
-    *us = ms[ms.size() / 2] * 1e3 / kReadLaunches;
+    *us = ms[ms.size() / 2] * 1e3 / launches;
     return M3_OK;
+}
+
+extern "C" m3_status m3_cuda_read_bandwidth(m3_backend *be, size_t bytes, int iters,
+                                            double *gb_per_s) {
+    if (bytes < 16 || iters < 1)
+        return m3_fail(M3_ERR_INVALID_ARG, "read bandwidth: %zu bytes, %d iterations", bytes,
+                       iters);
+    double us = 0;
+    M3_TRY(time_reads(m3_cuda_of(be), bytes, bytes, 1, iters, &us));
+    *gb_per_s = (double)bytes / (us * 1e-6) / 1e9;
+    return M3_OK;
+}
+
+/* The time one read-only kernel takes over `bytes`, the same kernel as
+ * m3_cuda_read_bandwidth at the size of one step: its ramp, tail and the
+ * gap between two kernels of a graph are in it, as they are in a layer's
+ * graph replay. Eight launches over a pool of at least 1 GiB. */
+extern "C" m3_status m3_cuda_read_time(m3_backend *be, size_t bytes, int iters, double *us) {
+    if (bytes < 16 || iters < 1)
+        return m3_fail(M3_ERR_INVALID_ARG, "read time: %zu bytes, %d iterations", bytes, iters);
+    const size_t window = (bytes + 255) & ~(size_t)255;
+    return time_reads(m3_cuda_of(be), std::max((size_t)1 << 30, window * 3), bytes, 8, iters,
+                      us);
 }
 
 extern "C" m3_status m3_cuda_timed_launch(m3_backend *be, void *graph, double *us) {

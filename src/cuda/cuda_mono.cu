@@ -62,7 +62,12 @@
  * measured and removed: the prefetches issued when a kernel starts delayed
  * the chain's first loads more than they saved, docs/PERF.md; the router's
  * 3 MB of fp32 rows are still asked for.) Routed down items cover four
- * 8-column tiles of one expert (eight above 8 rows). Narrow matrices
+ * 8-column tiles of one expert (eight above 8 rows), shared down items as
+ * many tiles of the shared expert; where the width fits one chunk and the
+ * weights are bf16, these walk their tiles with the next two tiles'
+ * weights in a shared-memory ring (cp.async; a second register buffer
+ * spills), and the routed gate/up items from 4-row groups stream their
+ * chunks through the same ring (down_walk, gemv_ring). Narrow matrices
  * (except the shared gate/up, off the chain) are split over K by the
  * rule the stock linear op used before its chunk groups (1024-column
  * slices; the count depends on the shape and the SM count, never on the

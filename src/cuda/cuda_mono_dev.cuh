@@ -453,6 +453,17 @@ __device__ __forceinline__ void ring_issue(uint4 *mine, const WRow &W, int64_t n
     cp_async_commit();
 }
 
+/* This lane's pieces of a ring slot (ring_issue's layout) into registers. */
+__device__ __forceinline__ WBuf<false> ring_read(const uint4 *mine_slot) {
+    WBuf<false> b;
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int u = 0; u < kKU; u++)
+            b.wv[r][u] = mine_slot[(r * kKU + u) * 32];
+    return b;
+}
+
 /* Wait until at most `behind` (0..2) cp.async groups issued after the one
  * wanted are pending. */
 __device__ __forceinline__ void ring_wait(int behind) {
@@ -514,13 +525,7 @@ __device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
         ring_wait(min(nch - 1 - c, SLOTS - 1));
         __syncthreads();
         mark(); /* the chunk's activations staged */
-        WBuf<false> cur;
-        const uint4 *src = mine + (c % SLOTS) * kWalkSlotU4;
-#pragma unroll
-        for (int r = 0; r < kRW; r++)
-#pragma unroll
-            for (int u = 0; u < kKU; u++)
-                cur.wv[r][u] = src[(r * kKU + u) * 32];
+        const WBuf<false> cur = ring_read(mine + (c % SLOTS) * kWalkSlotU4);
         if (n0 < N)
             chunk_fma<NR, false>(acc, cur, kn, xs, lane, rows);
         mark(); /* warp 0's products of the chunk done (thread 0's time) */

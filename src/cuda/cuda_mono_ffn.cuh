@@ -282,13 +282,7 @@ __device__ void down_walk(const WRow &W, int64_t N, int K, const uint16_t *xs, u
         if (j + SLOTS - 1 < ntile)
             issue(j + SLOTS - 1);
         ring_wait(min(ntile - 1 - j, SLOTS - 1)); /* the groups issued after tile j */
-        WBuf<false> cur;
-        const uint4 *src = mine + (j % SLOTS) * kWalkSlotU4;
-#pragma unroll
-        for (int r = 0; r < kRW; r++)
-#pragma unroll
-            for (int u = 0; u < kKU; u++)
-                cur.wv[r][u] = src[(r * kKU + u) * 32];
+        const WBuf<false> cur = ring_read(mine + (j % SLOTS) * kWalkSlotU4);
         float acc[kRW][NR];
 #pragma unroll
         for (int r = 0; r < kRW; r++)
