@@ -402,14 +402,22 @@ __device__ void shgu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     signal_count(&a.ctr[C_SHGU]);
 }
 
+/* Tiles per shared down item in this kernel: a.shdn_sub (all of K, bf16:
+ * cuda_mono.cu), except in the world > 1 kernels at 16 rows, where the
+ * walk's registers spilled (ptxas), which keep a tile per item. The item
+ * count (mono_post_kernel) and the items use this same value. */
+template <int NR, int V>
+__device__ __forceinline__ int shdn_sub_of(const MonoArgs &a) {
+    return (!(V & V_TP) || NR <= 8) ? a.shdn_sub : 1;
+}
+
 template <int NR, int V>
 __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                           bool faulted) {
-    /* shdn_sub tiles, all of K, bf16 (cuda_mono.cu); not in the world > 1
-     * kernels at 16 rows, where the walk's registers spilled (ptxas) */
-    if ((!(V & V_TP) || NR <= 8) && a.shdn_sub > 1) {
-        const int tiles = a.H / kTile, tile0 = item * a.shdn_sub;
-        const int ntile = min(a.shdn_sub, tiles - tile0);
+    const int sub = shdn_sub_of<NR, V>(a);
+    if (sub > 1) {
+        const int tiles = a.H / kTile, tile0 = item * sub;
+        const int ntile = min(sub, tiles - tile0);
         /* (the kernel's loop waited for the shared gate/up: post_dep) */
         if (!faulted) {
             set_rows(ctl, a.sh_act, a.Is, a.T);

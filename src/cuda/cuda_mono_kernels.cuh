@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int n_sel = a.T * a.Ni, n_att = a.T * a.Nkv * a.mtiles * a.S, n_mrg = a.T * a.Nq;
     const int n_o = (a.H / kTile) * a.s_o, n_n2 = a.T, n_rt = a.rt_tiles * a.s_rt;
     const int n_shgu = a.Is ? (a.Is / 4) * a.s_shgu : 0;
-    const int n_shdn = a.Is ? edn_groups(a.H, a.shdn_sub) * a.s_shdn : 0;
+    const int n_shdn = a.Is ? edn_groups(a.H, shdn_sub_of<NR, V>(a)) * a.s_shdn : 0;
     const int n_fin = (V & V_TP) ? a.T * ((a.H + 1023) / 1024) : 0;
     /* shared down items queued before the routed experts' (the rest after
      * the routed gate/up) */
