@@ -88,6 +88,11 @@ def main():
                          if k[1] == ctx and k in floors)
             if pts:
                 ax.plot([r for r, _ in pts], [x for _, x in pts], marker="o", label=n)
+        ro = sorted((k[0], p["read_us"] / floors[k]) for k, p in paths["stock"].items()
+                    if k[1] == ctx and p.get("read_us"))
+        if ro:
+            ax.plot([r for r, _ in ro], [x for _, x in ro], color="gray", linestyle="--",
+                    label="read-only kernel")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")  # eager PyTorch is tens of times the floor

@@ -36,6 +36,8 @@ static void bench_usage(FILE *f) {
             "                  bandwidth; 'all-reduce us' times the stock path's all-reduces\n"
             "                  alone\n"
             "  --json          print JSON instead of the table\n"
+            "  Each point also times one kernel that only reads the step's bytes\n"
+            "  ('read-only us', JSON read_us): what streaming them alone costs.\n"
             "\n"
             "       m3 bench linear [--rows 1,2,4,8,16] [--shapes NxK,...] [--iters N]\n"
             "  the decode GEMV against cuBLAS (default: one m3-tp4-rank layer's shapes)\n"
