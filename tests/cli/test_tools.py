@@ -81,6 +81,14 @@ cat >"$B/m3" <<'EOM'
 echo '{"points":[{"path":"mono","rows":1,"context":4096,"median_us":100.0}]}'
 EOM
 chmod +x "$B/m3"
+# the test programs named in GPU_CHECK_TARGETS (gpu-ab prebuild): each
+# prints a passing summary and its arguments
+IFS=, read -ra T <<<"${GPU_CHECK_TARGETS:-}"
+for t in "${T[@]}"; do
+    [ "$t" = m3 ] && continue
+    printf '#!/bin/bash\necho "%s $*: 1 checks, 0 failed"\n' "$t" >"$B/$t"
+    chmod +x "$B/$t"
+done
 cat >"$B/CTestTestfile.cmake" <<EOM
 add_test(stand_in "/bin/true")
 set_tests_properties(stand_in PROPERTIES LABELS "gpu")
@@ -137,9 +145,24 @@ def check_gpu_ab(work):
         want = {"base": "CUDAFLAGS=[]", "new": "CUDAFLAGS=[]", "sw": "CUDAFLAGS=[-DM3_SWITCH=8]"}
         if flags != want:
             fail("gpu-ab: build flags %s, expected %s" % (flags, want))
-    # prebuild: each tree's m3 kept in .ab; run times those without building
-    # (no build's flags.txt), and a tree changed since is built again
+    # prebuild: each tree's m3 kept in .ab, and the working tree's test
+    # programs; run --test times and tests those without building (no
+    # build's flags.txt), and a tree changed since is built again
     sh(["scripts/gpu-ab", "prebuild"], repo, dict(env, TMPDIR=work))
+    out_dir = os.path.join(work, "out-prebuilt-tests")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    log = sh(["scripts/gpu-ab", "run", "--rows", "1", "--rounds", "1", "--test"], repo,
+             dict(env, OUT=out_dir))
+    raw = os.path.join(work, "raw-prebuilt-tests")
+    shutil.rmtree(raw, ignore_errors=True)
+    os.makedirs(raw)
+    sh(["tar", "xzf", os.path.join(out_dir, "ab-raw.tgz"), "-C", raw], work)
+    tests_log = open(os.path.join(raw, "new", "gpu-tests.log")).read()
+    built = [t for t in ("base", "new", "sw") if os.path.exists(os.path.join(raw, t, "flags.txt"))]
+    if built or "new: prebuilt tests" not in log or \
+            "test_mono_walk --device cuda: 1 checks, 0 failed" not in tests_log or \
+            "test_cuda_mono : 1 checks" not in tests_log:
+        fail("gpu-ab run --test with prebuilt tests: built %s\n%s\n%s" % (built, log, tests_log))
     os.makedirs(os.path.join(repo, "src"), exist_ok=True)
     open(os.path.join(repo, "src", "changed.c"), "w").write("/* changed */\n")
     out_dir = os.path.join(work, "out-prebuilt")
