@@ -368,6 +368,29 @@ __device__ __forceinline__ void chunk_fma(float (&acc)[kRW][NR], const WBuf<FP8>
     }
 }
 
+/* A GEMV's accumulators: zeroed before its products, and each summed over
+ * the warp after them (every lane then holds the sums) for the real rows
+ * t < rows (row 0 always: a GEMV has one) -- the bucket's other rows:
+ * nobody reads them. */
+template <int NR>
+__device__ __forceinline__ void acc_zero(float (&acc)[kRW][NR]) {
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            acc[r][t] = 0.0f;
+}
+
+template <int NR>
+__device__ __forceinline__ void acc_warp_sums(float (&acc)[kRW][NR], int rows) {
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            if (t == 0 || t < rows)
+                acc[r][t] = m3_warp_sum(acc[r][t]);
+}
+
 template <int NR, bool FP8>
 __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W, int64_t n0,
                                            int64_t N, int k0, int k1,
@@ -400,11 +423,7 @@ __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
                           int k1, const uint16_t *const *rowp, int rows, uint16_t *xs,
                           bool skip, const unsigned *wait_c = nullptr, unsigned wait_n = 0) {
     const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int r = 0; r < kRW; r++)
-#pragma unroll
-        for (int t = 0; t < NR; t++)
-            acc[r][t] = 0.0f;
+    acc_zero<NR>(acc);
     if (skip || k1 <= k0) {
         if (wait_c)
             wait_count(wait_c, wait_n);
@@ -414,12 +433,7 @@ __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
         gemv_kloop<NR, true>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane, wait_c, wait_n);
     else
         gemv_kloop<NR, false>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane, wait_c, wait_n);
-#pragma unroll
-    for (int r = 0; r < kRW; r++)
-#pragma unroll
-        for (int t = 0; t < NR; t++)
-            if (t == 0 || t < rows) /* the bucket's other rows: nobody reads them */
-                acc[r][t] = m3_warp_sum(acc[r][t]);
+    acc_warp_sums<NR>(acc, rows);
 }
 
 /* A weight ring in shared memory for the streaming items (gemv_ring, and
@@ -491,11 +505,7 @@ __device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint4 *mine = ring + warp * (kRW * kKU * 32) + lane;
     const int nch = (K + kKC - 1) / kKC;
-#pragma unroll
-    for (int r = 0; r < kRW; r++)
-#pragma unroll
-        for (int t = 0; t < NR; t++)
-            acc[r][t] = 0.0f;
+    acc_zero<NR>(acc);
     for (int j = 0; j < SLOTS - 1 && j < nch; j++)
         ring_issue(mine + j * kWalkSlotU4, W, n0, N, j * kKC, min(kKC, K - j * kKC), lane);
     __syncthreads(); /* rowp published */
@@ -530,12 +540,7 @@ __device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
             chunk_fma<NR, false>(acc, cur, kn, xs, lane, rows);
         mark(); /* warp 0's products of the chunk done (thread 0's time) */
     }
-#pragma unroll
-    for (int r = 0; r < kRW; r++)
-#pragma unroll
-        for (int t = 0; t < NR; t++)
-            if (t == 0 || t < rows)
-                acc[r][t] = m3_warp_sum(acc[r][t]);
+    acc_warp_sums<NR>(acc, rows);
 }
 
 /* The fp32-weight GEMV (the router): linear_f32w_kernel's inner loop, two
@@ -545,11 +550,7 @@ __device__ void gemv_rows_f32(float (&acc)[kRW][NR], const float *w, int64_t n0,
                               int K, int k0, int k1, const uint16_t *const *rowp, int rows,
                               uint16_t *xs, bool skip) {
     const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int r = 0; r < kRW; r++)
-#pragma unroll
-        for (int t = 0; t < NR; t++)
-            acc[r][t] = 0.0f;
+    acc_zero<NR>(acc);
     if (skip)
         return;
     for (int kc = k0; kc < k1; kc += kKC) {
@@ -595,12 +596,7 @@ __device__ void gemv_rows_f32(float (&acc)[kRW][NR], const float *w, int64_t n0,
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < kRW; r++)
-#pragma unroll
-        for (int t = 0; t < NR; t++)
-            if (t == 0 || t < rows) /* the bucket's other rows: nobody reads them */
-                acc[r][t] = m3_warp_sum(acc[r][t]);
+    acc_warp_sums<NR>(acc, rows);
 }
 
 /* acc (every lane holds the warp's sums) -> ctl.fin[warp * 2 + r][t] */

@@ -284,11 +284,7 @@ __device__ void down_walk(const WRow &W, int64_t N, int K, const uint16_t *xs, u
         ring_wait(min(ntile - 1 - j, SLOTS - 1)); /* the groups issued after tile j */
         const WBuf<false> cur = ring_read(mine + (j % SLOTS) * kWalkSlotU4);
         float acc[kRW][NR];
-#pragma unroll
-        for (int r = 0; r < kRW; r++)
-#pragma unroll
-            for (int t = 0; t < NR; t++)
-                acc[r][t] = 0.0f;
+        acc_zero<NR>(acc);
         chunk_fma<NR, false>(acc, cur, K, xs, lane, rows);
         const int64_t n0 = (int64_t)(tile0 + j) * kTile + warp * kRW;
 #pragma unroll
