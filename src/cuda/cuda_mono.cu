@@ -62,12 +62,14 @@
  * measured and removed: the prefetches issued when a kernel starts delayed
  * the chain's first loads more than they saved, docs/PERF.md; the router's
  * 3 MB of fp32 rows are still asked for.) Routed down items cover four
- * 8-column tiles of one expert (eight above 8 rows), shared down items as
+ * 8-column tiles of one expert (eight above 2 rows), shared down items as
  * many tiles of the shared expert; where the width fits one chunk and the
  * weights are bf16, these walk their tiles with the next two tiles'
  * weights in a shared-memory ring (cp.async; a second register buffer
  * spills), and the routed gate/up items from 4-row groups stream their
- * chunks through the same ring (down_walk, gemv_ring). Narrow matrices
+ * chunks through the same ring (down_walk, gemv_ring); at 2 rows (world
+ * 1, bf16) a routed gate/up item covers three 4-neuron tiles, every chunk
+ * of each through the ring, the rows staged whole once (gu_walk). Narrow matrices
  * (except the shared gate/up, off the chain) are split over K by the
  * rule the stock linear op used before its chunk groups (1024-column
  * slices; the count depends on the shape and the SM count, never on the
@@ -166,7 +168,7 @@ struct m3_cuda_mono {
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
     /* tuning knobs (see m3_cuda_mono_create) */
-    int spin_ns, poll_acquire, shdn_early, edn_sub, shdn_sub, pin, idx_claim, idx_run, idx_min_pages;
+    int spin_ns, poll_acquire, shdn_early, edn_sub, shdn_sub, egu_sub, pin, idx_claim, idx_run, idx_min_pages;
     uint16_t *dry_rows; /* M3_MONO_PIN=2 scratch (see MonoArgs) */
     float *dry_logits;
     int32_t *dry_plan;
@@ -315,14 +317,21 @@ static void read_knobs(m3_cuda_mono *m) {
      * docs/PERF.md, thirteenth and fifteenth sessions). */
     m->shdn_early = env_int("M3_MONO_SHDN_EARLY", -1, 0, 100);
     /* M3_MONO_EDN_SUB=n: 8-column tiles per routed down item (0, the
-     * default: 8 above 8 rows, else 4; fewer, larger items pay at 16 rows,
-     * not at one) */
+     * default: 8 above 2 rows, else 4; fewer, larger items pay from 4 rows
+     * (-1.5% at 4, -3% at 8: twenty-second session), not at 1-2 (+4.5% at
+     * one row) */
     m->edn_sub = env_int("M3_MONO_EDN_SUB", 0, 0, 8);
     /* M3_MONO_SHDN_SUB=n: 8-column tiles per shared down item, walked with
      * the routed down's weight ring (0, the default: as the routed down
      * items; 1: a tile per item, gemv_rows; only where the shared width
      * fits one staged chunk, unsplit, bf16, else 1) */
     m->shdn_sub = env_int("M3_MONO_SHDN_SUB", 0, 0, 8);
+    /* M3_MONO_EGU_SUB=n: 4-neuron tiles per routed gate/up item in the 1-
+     * and 2-row kernels, walked through one weight ring (gu_walk; 0, the
+     * default: 3 at 2 rows (-2.8%), 1 at one row (2 or 3 there: +2-4%;
+     * twenty-second session); only for bf16 weights whose rows, staged
+     * whole, leave two ring slots of shared memory, else 1) */
+    m->egu_sub = env_int("M3_MONO_EGU_SUB", 0, 0, 8);
     /* M3_MONO_PIN=n: CTAs of their own for norm2 and the routing plan
      * (MonoArgs.pin); with 2 they run both once dry while they would wait
      * anyway, so the real ones find their code in the SM's instruction
@@ -894,10 +903,17 @@ static void args_buffers(const m3_cuda_mono *m, const m3_step *st, const m3_cach
     a->spin_ns = m->spin_ns;
     a->poll_acquire = m->poll_acquire;
     a->shdn_early = m->shdn_early >= 0 ? m->shdn_early : (a->T <= 4 ? 25 : 100);
-    a->edn_sub = m->edn_sub ? m->edn_sub : (a->T > 8 ? 8 : 4);
+    a->edn_sub = m->edn_sub ? m->edn_sub : (a->T > 2 ? 8 : 4);
     a->shdn_sub = a->Is && m->s_shdn == 1 && a->Is <= kKC && !a->shd.fp8
                       ? (m->shdn_sub ? m->shdn_sub : a->edn_sub)
                       : 1;
+    {
+        const int enr = a->T <= 1 ? 1 : 2; /* the item's member group (ENR) */
+        const size_t xs = (size_t)enr * ((a->H + kKC - 1) / kKC) * kKC * 2;
+        const bool walk = a->T <= 2 && !a->eg.fp8 && !a->eu.fp8 &&
+                          xs + 2 * (size_t)kWalkSlotU4 * 16 <= m->smem;
+        a->egu_sub = !walk ? 1 : m->egu_sub ? m->egu_sub : (a->T == 2 ? 3 : 1);
+    }
     /* CTAs of their own for norm2 and the plan only where more CTAs than
      * rows run the queue; dry runs only at world 1 (a dry all-reduce would
      * wait for peers) */

@@ -32,6 +32,7 @@ constexpr int kRW = 2;                     /* GEMV output rows per warp */
 constexpr int kTile = kWarps * kRW;        /* GEMV output rows per tile */
 constexpr int kKC = 1024;                  /* K columns staged per chunk */
 constexpr int kKU = kKC / 256;             /* 16-byte loads per lane, row and chunk */
+constexpr int kWalkSlotU4 = kWarps * kRW * kKU * 32; /* uint4 per weight ring slot (16 KB) */
 constexpr int kMaxT = M3_CUDA_MONO_MAX_ROWS;
 constexpr int kHD = 128;                   /* head dim = index dim = page */
 constexpr int kMaxHalf = 64;               /* rotary_dim <= 128 */
@@ -142,6 +143,8 @@ struct MonoArgs {
     int shdn_early;   /* M3_MONO_SHDN_EARLY: % of the shared down items queued early */
     int edn_sub;      /* M3_MONO_EDN_SUB: 8-column tiles per routed down item (1..8) */
     int shdn_sub;     /* 8-column tiles per shared down item (1: a tile and a K slice each) */
+    int egu_sub;      /* 4-neuron tiles per routed gate/up item in the 1- and 2-row
+                       * kernels (1: gemv_rows; more: gu_walk, bf16 only) */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed
                        * polls, then one acquire) */
     int pin;          /* M3_MONO_PIN: 0 every item from the queue; 1 norm2 of row t on

@@ -440,7 +440,6 @@ __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
  * cuda_mono_ffn.cuh down_walk): SLOTS chunks of this CTA's 8 output rows
  * (each warp its two, each lane its own pieces) after the staged
  * activations of NR rows, in the shared memory the attention items size. */
-constexpr int kWalkSlotU4 = kWarps * kRW * kKU * 32; /* uint4 per slot (16 KB) */
 template <int NR>
 __host__ __device__ constexpr int walk_xs_bytes() { return NR * kKC * 2; }
 template <int NR>

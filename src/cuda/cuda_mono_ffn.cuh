@@ -448,13 +448,132 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     combine_arrive_n<V>(a, ctl, tile, 1, faulted);
 }
 
-/* Routed gate + up + SwiGLU of slot u's expert, neurons [tile*4, tile*4+4),
- * its members ENR at a time (their x rows gathered). */
+/* 4-neuron tiles per routed gate/up item in this kernel: a.egu_sub (the
+ * host sets 1 where gu_walk does not apply: fp8 weights, or whole rows and
+ * two ring slots over the shared memory) in the bf16 world-1 1- and 2-row
+ * kernels; 1 above (the 4-row groups stream through gemv_ring) and in the
+ * fp8 and world > 1 kernels (the walk's code spilled 40-116 bytes there,
+ * ptxas). The item count (mono_post_kernel), the items and the routed down
+ * items' wait use it. */
+template <int ENR, int V>
+__device__ __forceinline__ int egu_sub_of(const MonoArgs &a) {
+    return ENR <= 2 && !(V & (V_F8 | V_TP)) ? a.egu_sub : 1;
+}
+__host__ __device__ __forceinline__ int egu_groups(int I, int sub) {
+    return (I / 4 + sub - 1) / sub;
+}
+
+/* Whole activation rows for gu_walk: NR rows of K columns, chunk-major
+ * ([chunk][row][kKC], zeros past K), so chunk c's rows sit where
+ * chunk_fma reads one staged chunk. */
+template <int NR>
+__host__ __device__ __forceinline__ int gu_xs_bytes(int K) {
+    return NR * ((K + kKC - 1) / kKC) * kKC * 2;
+}
+
+/* The routed gate/up of ntile consecutive 4-neuron tiles from tile0 for
+ * one member group: every chunk of every tile through one weight ring
+ * (ring_issue), `slots` deep, so the next tile's first weights are in
+ * flight while this tile's last products and its SwiGLU run; the rows'
+ * activations staged once, whole (gu_xs_bytes), not per chunk and tile.
+ * At 1-2 rows an item of one tile (6 chunks of 16 KB on M3) spent much of
+ * its ~11 us filling and draining one chunk in flight, and 768 of them ran
+ * in two waves on 396 CTAs (twenty-first session). fin(i, acc) gets tile
+ * i's warp sums; every thread calls it. The products and sums are
+ * gemv_rows' over the same chunks in the same order: the same bits. */
+template <int NR, typename Fin>
+__device__ void gu_walk(const WRow &W, int64_t N, int K, const uint16_t *const *rowp, int rows,
+                        uint16_t *xs, uint4 *ring, int slots, int tile0, int ntile, Fin fin) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nch = (K + kKC - 1) / kKC, total = ntile * nch;
+    uint4 *mine = ring + warp * (kRW * kKU * 32) + lane;
+    auto issue = [&](int j) {
+        const int i = j / nch, kc = (j % nch) * kKC;
+        ring_issue(mine + (j % slots) * kWalkSlotU4, W,
+                   (int64_t)(tile0 + i) * 4 + (warp & 1) * kRW, N, kc, min(kKC, K - kc), lane);
+    };
+    for (int j = 0; j < slots - 1 && j < total; j++)
+        issue(j);
+    __syncthreads(); /* rowp published, the last group's xs consumed */
+    for (int i = threadIdx.x; i < NR * nch * (kKC / 8); i += kThreads) {
+        const int c = i / (NR * (kKC / 8)), t = i / (kKC / 8) % NR, col = i % (kKC / 8) * 8;
+        const bool in = t < rows && c * kKC + col < K;
+        cp_async16(xs + (c * NR + t) * kKC + col, in ? rowp[t] + c * kKC + col : rowp[0], in);
+    }
+    cp_async_commit();
+    cp_async_wait<0>(); /* (and the ring's first chunks) */
+    __syncthreads();
+    float acc[kRW][NR];
+    acc_zero<NR>(acc);
+#pragma unroll 1
+    for (int j = 0; j < total; j++) {
+        if (j + slots - 1 < total)
+            issue(j + slots - 1); /* its slot held chunk j - 1, read in the last pass */
+        ring_wait(min(total - 1 - j, slots - 1));
+        const int c = j % nch;
+        const WBuf<false> cur = ring_read(mine + (j % slots) * kWalkSlotU4);
+        chunk_fma<NR, false>(acc, cur, min(kKC, K - c * kKC), xs + c * NR * kKC, lane, rows);
+        if (c == nch - 1) {
+            acc_warp_sums<NR>(acc, rows);
+            fin(j / nch, acc);
+            acc_zero<NR>(acc);
+        }
+    }
+}
+
+/* egu_item's gu_walk path: tiles [tile0, tile0 + ntile) of slot u's
+ * expert, its members ENR at a time. */
+template <int ENR>
+__device__ void egu_walk_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int u,
+                              int tile0, int ntile) {
+    const int warp = threadIdx.x >> 5;
+    const int e = __ldcg(a.uniq + u), f0 = __ldcg(a.ufirst + u), f1 = __ldcg(a.ufirst + u + 1);
+    const WRow W = wrow_expert(warp < 2 ? a.eg : a.eu, e);
+    const int xs_bytes = gu_xs_bytes<ENR>(a.H);
+    const int slots = xs_bytes + 3 * kWalkSlotU4 * 16 <= a.smem ? 3 : 2;
+    uint16_t *xs = reinterpret_cast<uint16_t *>(dsm);
+    uint4 *ring = reinterpret_cast<uint4 *>(dsm + xs_bytes);
+    for (int g0 = f0; g0 < f1; g0 += ENR) {
+        const int rows = min(ENR, f1 - g0);
+        if ((int)threadIdx.x < rows) {
+            int m = __ldcg(a.members + g0 + threadIdx.x);
+            ctl.mem[threadIdx.x] = m;
+            ctl.rowp[threadIdx.x] = a.x2 + (size_t)(m / a.K) * a.H;
+        }
+        gu_walk<ENR>(W, a.I, a.H, ctl.rowp, rows, xs, ring, slots, tile0, ntile,
+                     [&](int i, const float(&acc)[kRW][ENR]) {
+                         acc_to_fin<ENR>(acc, ctl);
+                         const int tile = tile0 + i;
+                         for (int q = threadIdx.x; q < 4 * rows; q += kThreads) {
+                             int j = q / rows, t = q % rows;
+                             float v = m3_swiglu_oai(m3_round_bf(ctl.fin[j][t]),
+                                                     m3_round_bf(ctl.fin[4 + j][t]), a.alpha,
+                                                     a.limit);
+                             a.act[(size_t)ctl.mem[t] * a.I + tile * 4 + j] = m3_to_bf(v);
+                         }
+                         __syncthreads(); /* fin is rewritten by the next tile */
+                     });
+        __syncthreads(); /* mem / rowp are rewritten by the next group */
+    }
+}
+
+/* Routed gate + up + SwiGLU of slot u's expert, neurons [tile*4, tile*4+4)
+ * (egu_sub_of tiles from there: gu_walk), its members ENR at a time (their
+ * x rows gathered). */
 template <int ENR, int V>
 __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                          bool faulted) {
-    const int tiles = a.I / 4, u = item / tiles, tile = item % tiles;
+    const int sub = egu_sub_of<ENR, V>(a);
     const int warp = threadIdx.x >> 5;
+    if (sub > 1) {
+        const int groups = egu_groups(a.I, sub), u = item / groups;
+        const int tile0 = item % groups * sub, ntile = min(sub, a.I / 4 - tile0);
+        if (!faulted)
+            egu_walk_item<ENR>(a, ctl, dsm, u, tile0, ntile);
+        signal_count(&a.ctr[a.o_egu + u]);
+        return;
+    }
+    const int tiles = a.I / 4, u = item / tiles, tile = item % tiles;
     if (!faulted) {
         const int e = __ldcg(a.uniq + u), f0 = __ldcg(a.ufirst + u), f1 = __ldcg(a.ufirst + u + 1);
         const WRow W = wrow_expert(warp < 2 ? a.eg : a.eu, e);
@@ -516,7 +635,7 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
         f0 = __ldcg(a.ufirst + u);
         f1 = __ldcg(a.ufirst + u + 1);
     }
-    wait_count(&a.ctr[a.o_egu + u], (unsigned)(a.I / 4));
+    wait_count(&a.ctr[a.o_egu + u], (unsigned)egu_groups(a.I, egu_sub_of<ENR, V>(a)));
     if (a.I <= kKC && !((V & V_F8) && a.ed.fp8)) { /* one staged chunk (M3: 768), bf16 */
         if (!faulted) {
             const WRow W = wrow_expert(a.ed, e);

@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         if (cur >= base_dyn) { /* the routed experts' items exist once the plan does */
             wait_count(&a.ctr[C_PLAN], 1u);
             const int nu = __ldcg(a.n_uniq);
-            n_egu = nu * (a.I / 4);
+            n_egu = nu * egu_groups(a.I, egu_sub_of<ENR, V>(a));
             n_edn = nu * edn_groups(a.H, a.edn_sub);
             if (cur - base_dyn >= n_egu + (n_shdn - n_shdn0) + n_edn + n_fin)
                 break;
