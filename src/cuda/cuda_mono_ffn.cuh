@@ -521,6 +521,28 @@ __device__ void gu_walk(const WRow &W, int64_t N, int K, const uint16_t *const *
     }
 }
 
+/* A routed gate/up item's member group [g0, g0 + rows): its members and
+ * their x rows into ctl (published by the GEMV's first barrier). */
+__device__ __forceinline__ void egu_group(const MonoArgs &a, Ctl &ctl, int g0, int rows) {
+    if ((int)threadIdx.x < rows) {
+        int m = __ldcg(a.members + g0 + threadIdx.x);
+        ctl.mem[threadIdx.x] = m;
+        ctl.rowp[threadIdx.x] = a.x2 + (size_t)(m / a.K) * a.H;
+    }
+}
+
+/* SwiGLU of a finished gate/up tile (ctl.fin: 4 gate rows, then the 4 up
+ * rows) into the members' activations, neurons [tile*4, tile*4 + 4). */
+__device__ __forceinline__ void egu_tile_out(const MonoArgs &a, const Ctl &ctl, int tile,
+                                             int rows) {
+    for (int i = threadIdx.x; i < 4 * rows; i += kThreads) {
+        int j = i / rows, t = i % rows;
+        float v = m3_swiglu_oai(m3_round_bf(ctl.fin[j][t]), m3_round_bf(ctl.fin[4 + j][t]),
+                                a.alpha, a.limit);
+        a.act[(size_t)ctl.mem[t] * a.I + tile * 4 + j] = m3_to_bf(v);
+    }
+}
+
 /* egu_item's gu_walk path: tiles [tile0, tile0 + ntile) of slot u's
  * expert, its members ENR at a time. */
 template <int ENR>
@@ -535,22 +557,11 @@ __device__ void egu_walk_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, i
     uint4 *ring = reinterpret_cast<uint4 *>(dsm + xs_bytes);
     for (int g0 = f0; g0 < f1; g0 += ENR) {
         const int rows = min(ENR, f1 - g0);
-        if ((int)threadIdx.x < rows) {
-            int m = __ldcg(a.members + g0 + threadIdx.x);
-            ctl.mem[threadIdx.x] = m;
-            ctl.rowp[threadIdx.x] = a.x2 + (size_t)(m / a.K) * a.H;
-        }
+        egu_group(a, ctl, g0, rows);
         gu_walk<ENR>(W, a.I, a.H, ctl.rowp, rows, xs, ring, slots, tile0, ntile,
                      [&](int i, const float(&acc)[kRW][ENR]) {
                          acc_to_fin<ENR>(acc, ctl);
-                         const int tile = tile0 + i;
-                         for (int q = threadIdx.x; q < 4 * rows; q += kThreads) {
-                             int j = q / rows, t = q % rows;
-                             float v = m3_swiglu_oai(m3_round_bf(ctl.fin[j][t]),
-                                                     m3_round_bf(ctl.fin[4 + j][t]), a.alpha,
-                                                     a.limit);
-                             a.act[(size_t)ctl.mem[t] * a.I + tile * 4 + j] = m3_to_bf(v);
-                         }
+                         egu_tile_out(a, ctl, tile0 + i, rows);
                          __syncthreads(); /* fin is rewritten by the next tile */
                      });
         __syncthreads(); /* mem / rowp are rewritten by the next group */
@@ -580,11 +591,7 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
         const int64_t n0 = tile * 4 + (warp & 1) * kRW;
         for (int g0 = f0; g0 < f1; g0 += ENR) {
             const int rows = min(ENR, f1 - g0);
-            if ((int)threadIdx.x < rows) {
-                int m = __ldcg(a.members + g0 + threadIdx.x);
-                ctl.mem[threadIdx.x] = m;
-                ctl.rowp[threadIdx.x] = a.x2 + (size_t)(m / a.K) * a.H;
-            }
+            egu_group(a, ctl, g0, rows);
             float acc[kRW][ENR];
             /* the ring from 4-row groups (8-16 rows: -2% a layer); at 1-2
              * rows it made the items slower (+2.6% at one row; twenty-first
@@ -601,12 +608,7 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
                 gemv_rows<ENR, V>(acc, W, n0, a.I, 0, a.H, ctl.rowp, rows,
                                   reinterpret_cast<uint16_t *>(dsm), false);
             acc_to_fin<ENR>(acc, ctl);
-            for (int i = threadIdx.x; i < 4 * rows; i += kThreads) {
-                int j = i / rows, t = i % rows;
-                float v = m3_swiglu_oai(m3_round_bf(ctl.fin[j][t]), m3_round_bf(ctl.fin[4 + j][t]),
-                                        a.alpha, a.limit);
-                a.act[(size_t)ctl.mem[t] * a.I + tile * 4 + j] = m3_to_bf(v);
-            }
+            egu_tile_out(a, ctl, tile, rows);
             __syncthreads(); /* mem / rowp / fin are rewritten by the next group */
         }
     }
