@@ -908,10 +908,9 @@ static void args_buffers(const m3_cuda_mono *m, const m3_step *st, const m3_cach
                       ? (m->shdn_sub ? m->shdn_sub : a->edn_sub)
                       : 1;
     {
-        const int enr = a->T <= 1 ? 1 : 2; /* the item's member group (ENR) */
-        const size_t xs = (size_t)enr * ((a->H + kKC - 1) / kKC) * kKC * 2;
-        const bool walk = a->T <= 2 && !a->eg.fp8 && !a->eu.fp8 &&
-                          xs + 2 * (size_t)kWalkSlotU4 * 16 <= m->smem;
+        /* the item's member group is the kernel's ENR: 1 row, else 2 here */
+        const int xs = a->T <= 1 ? gu_xs_bytes<1>(a->H) : gu_xs_bytes<2>(a->H);
+        const bool walk = a->T <= 2 && !a->eg.fp8 && !a->eu.fp8 && gu_fits(xs, (int)m->smem);
         a->egu_sub = !walk ? 1 : m->egu_sub ? m->egu_sub : (a->T == 2 ? 3 : 1);
     }
     /* CTAs of their own for norm2 and the plan only where more CTAs than

@@ -202,6 +202,23 @@ constexpr int kIdxClaimMinPages = 8;
  * spills: docs/PERF.md, seventeenth session) */
 constexpr int kIdxClaimMinRows = 3;
 
+/* gu_walk's shared memory (cuda_mono_ffn.cuh), for the host's choice of
+ * the routed gate/up items' size and the items alike: NR whole activation
+ * rows of K columns, chunk-major ([chunk][row][kKC], zeros past K), so
+ * chunk c's rows sit where chunk_fma reads one staged chunk; then the
+ * weight ring, 3 slots where they fit in smem bytes, else 2; the walk
+ * applies only where 2 fit (gu_fits). */
+template <int NR>
+__host__ __device__ __forceinline__ int gu_xs_bytes(int K) {
+    return NR * ((K + kKC - 1) / kKC) * kKC * 2;
+}
+__host__ __device__ __forceinline__ int gu_slots(int xs_bytes, int smem) {
+    return xs_bytes + 3 * kWalkSlotU4 * 16 <= smem ? 3 : 2;
+}
+__host__ __device__ __forceinline__ bool gu_fits(int xs_bytes, int smem) {
+    return xs_bytes + 2 * kWalkSlotU4 * 16 <= smem;
+}
+
 /* route_and_plan's shared memory: the assignments' experts and their sorted
  * order (2 x kMaxAssign ints), then each warp's staged keys and sigmoids */
 __host__ __device__ constexpr size_t plan_key_offset() {

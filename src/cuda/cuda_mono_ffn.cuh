@@ -463,14 +463,6 @@ __host__ __device__ __forceinline__ int egu_groups(int I, int sub) {
     return (I / 4 + sub - 1) / sub;
 }
 
-/* Whole activation rows for gu_walk: NR rows of K columns, chunk-major
- * ([chunk][row][kKC], zeros past K), so chunk c's rows sit where
- * chunk_fma reads one staged chunk. */
-template <int NR>
-__host__ __device__ __forceinline__ int gu_xs_bytes(int K) {
-    return NR * ((K + kKC - 1) / kKC) * kKC * 2;
-}
-
 /* The routed gate/up of ntile consecutive 4-neuron tiles from tile0 for
  * one member group: every chunk of every tile through one weight ring
  * (ring_issue), `slots` deep, so the next tile's first weights are in
@@ -552,7 +544,7 @@ __device__ void egu_walk_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, i
     const int e = __ldcg(a.uniq + u), f0 = __ldcg(a.ufirst + u), f1 = __ldcg(a.ufirst + u + 1);
     const WRow W = wrow_expert(warp < 2 ? a.eg : a.eu, e);
     const int xs_bytes = gu_xs_bytes<ENR>(a.H);
-    const int slots = xs_bytes + 3 * kWalkSlotU4 * 16 <= a.smem ? 3 : 2;
+    const int slots = gu_slots(xs_bytes, a.smem);
     uint16_t *xs = reinterpret_cast<uint16_t *>(dsm);
     uint4 *ring = reinterpret_cast<uint4 *>(dsm + xs_bytes);
     for (int g0 = f0; g0 < f1; g0 += ENR) {
