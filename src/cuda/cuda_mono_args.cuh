@@ -178,6 +178,11 @@ using SelShared = SelSharedT<kWarps>; /* the selection item (cuda_async.cuh) */
 struct Ctl {
     int cur, faulted, flag, nu, fnow;
     int step; /* the post kernel's items run by this CTA so far (M3_MONO_PIN) */
+    /* the post kernel: the step's distinct experts (n_uniq) once this CTA
+     * has acquired the published plan (or made it), else -1; the plan is
+     * published once per launch, so later items skip the counter's poll
+     * and the reload (three dependent L2 round trips each) */
+    int plan_nu;
     uint32_t tag_o, tag_f; /* this launch's landing tags (world > 1) */
     double red[kWarps];
     const uint16_t *rowp[kMaxT]; /* GEMV activation rows */

@@ -204,6 +204,8 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, 
         io.ufirst[u] = nreal;
         *io.n_uniq = u;
         ctl.nu = u;
+        if (!dry)
+            ctl.plan_nu = u; /* this CTA made the plan: no need to acquire it */
     }
     if (dry) {
         __syncthreads(); /* dsm is free again */
@@ -349,8 +351,13 @@ template <int V>
 __device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, bool faulted) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        spin_until(&a.ctr[C_PLAN], 1u);
-        const unsigned total = (unsigned)__ldcg(a.n_uniq) + (a.Is ? 1u : 0u);
+        int nu = ctl.plan_nu;
+        if (nu < 0) { /* a shared down item before this CTA saw the plan */
+            spin_until(&a.ctr[C_PLAN], 1u);
+            nu = __ldcg(a.n_uniq);
+            ctl.plan_nu = nu;
+        }
+        const unsigned total = (unsigned)nu + (a.Is ? 1u : 0u);
         __threadfence();
         /* the n atomics in flight together (a loop over n waited for each) */
         unsigned prev[kEdnSubMax];

@@ -199,6 +199,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int base_dyn = base_n2 + n_n2 + n_rt + n_shgu + n_shdn0;
     if (threadIdx.x == 0) {
         ctl.step = 0;
+        ctl.plan_nu = -1;
         const int own = own_item(a, 0, base_n2);
         ctl.cur = own != kQueue ? own : q_item(a, (int)atomicAdd(&a.ctr[C_QUEUE], 1u), base_n2);
         /* Landing tags (world > 1) from the count of earlier post launches,
@@ -216,8 +217,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         int cur = next_item(a, ctl, &faulted);
         int n_egu = 0, n_edn = 0;
         if (cur >= base_dyn) { /* the routed experts' items exist once the plan does */
-            wait_count(&a.ctr[C_PLAN], 1u);
-            const int nu = __ldcg(a.n_uniq);
+            int nu = ctl.plan_nu; /* (read by every thread before the barriers below) */
+            if (nu < 0) {
+                wait_count(&a.ctr[C_PLAN], 1u);
+                nu = __ldcg(a.n_uniq);
+                if (threadIdx.x == 0)
+                    ctl.plan_nu = nu; /* seen by the CTA after the item's barriers */
+            }
             n_egu = nu * egu_groups(a.I, egu_sub_of<ENR, V>(a));
             n_edn = nu * edn_groups(a.H, a.edn_sub);
             if (cur - base_dyn >= n_egu + (n_shdn - n_shdn0) + n_edn + n_fin)
