@@ -50,8 +50,8 @@ static void gen_usage(FILE *f) {
             "                     off by default)\n"
             "  --decode P         stock (op by op), mono (fused layers for decode steps) or\n"
             "                     auto (mono where its plan allows); default: auto on the\n"
-            "                     cpu; on cuda auto for 1-row steps at --tp 1 (where the\n"
-            "                     fused kernels are faster), else stock\n");
+            "                     cpu; on cuda auto for steps of up to 2 rows at --tp 1\n"
+            "                     (where the fused kernels are faster), else stock\n");
 }
 
 static int parse_args(int argc, char **argv, gen_args *a) {

@@ -352,13 +352,15 @@ const char *m3_engine_mono_refusal(const m3_engine *e) { return e->mono_refused;
 void m3_engine_resolve_decode(m3_engine_opts *o) {
     if (o->decode != M3_DECODE_DEFAULT) /* see m3_decode_path */
         return;
-    /* CUDA: the fused kernels beat the stock path at one row on one GPU
-     * only (docs/PERF.md), so there the default fuses 1-row steps */
+    /* CUDA: the fused kernels beat the stock path at 1-2 rows on one GPU,
+     * on a TP-4 rank's shapes and on unsharded ones; from 4 rows they are
+     * 2-4% behind it on an unsharded layer (docs/PERF.md, twenty-second
+     * session), so there the default fuses steps of up to 2 rows */
     bool cuda = o->device == M3_DEVICE_CUDA;
     int tp = o->tp ? o->tp : 1;
     o->decode = cuda && tp > 1 ? M3_DECODE_STOCK : M3_DECODE_AUTO;
     if (cuda && tp == 1 && o->mono_max_rows == 0)
-        o->mono_max_rows = 1;
+        o->mono_max_rows = 2;
 }
 
 m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engine **out) {

@@ -45,10 +45,11 @@
  *       the prefills between the decode steps are eager steps run after
  *       graphs were captured.
  *   (e) the default decode path (stock pass only): one GPU's default engine
- *       fuses 1-row steps (8 greedy tokens: 7 mono steps, or hd64's
- *       refusal with its reason), then (d) on it with 3 and 5 sequences,
- *       alone (mono) against together (stock): a median row within 2e-2,
- *       rows beyond it a warning.
+ *       fuses steps of up to 2 rows (8 greedy tokens: 7 mono steps, or
+ *       hd64's refusal with its reason), then (d) on it with 2 sequences
+ *       (mono alone and together) and with 3 and 5, alone (mono) against
+ *       together (stock): a median row within 2e-2, rows beyond it a
+ *       warning.
  *
  * One line per check as it completes, then a summary table; exit 1 on a
  * failure (warnings do not fail). M3_TEST_PRESET=tiny|small|odd|hd64 runs
@@ -753,12 +754,13 @@ static void teardown(ctx *c) {
         gpu_remove_dir(c->dir);
 }
 
-/* The default decode path on one GPU (m3.h): auto with 1-row steps fused.
- * A greedy run's decode steps (one row each) are mono steps where the
- * model allows mono; where it does not (hd64) they are stock steps and the
- * refusal's reason is kept. Then (d) on that engine: sequences decoded
- * alone (1-row steps, mono) against together (3 and 5 rows, stock), the
- * two kinds of graph bucket in one engine. */
+/* The default decode path on one GPU (m3.h): auto with steps of up to 2
+ * rows fused. A greedy run's decode steps (one row each) are mono steps
+ * where the model allows mono; where it does not (hd64) they are stock
+ * steps and the refusal's reason is kept. Then (d) on that engine:
+ * sequences decoded alone (1-row steps, mono) against together (2 rows,
+ * mono; 3 and 5 rows, stock), the two kinds of graph bucket in one
+ * engine. */
 static void default_path_case(ctx *c) {
     const char *t = "default path, one GPU";
     char label[20];
@@ -780,6 +782,7 @@ static void default_path_case(ctx *c) {
                "%lld mono steps, %lld stock steps%s%.50s", (long long)s.mono_steps,
                (long long)s.stock_steps, fused ? "" : "; refused: ", why);
         c->gpu = e;
+        concurrency_case(c, 2, false);
         concurrency_case(c, 3, true);
         concurrency_case(c, 5, true);
         c->gpu = saved_gpu;
