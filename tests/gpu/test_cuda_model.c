@@ -47,7 +47,8 @@
  *   (e) the default decode path (stock pass only): one GPU's default engine
  *       fuses steps of up to 2 rows (8 greedy tokens: 7 mono steps, or
  *       hd64's refusal with its reason), then (d) on it with 2 sequences
- *       (mono alone and together) and with 3 and 5, alone (mono) against
+ *       (mono alone and together: every decode step mono, counted) and
+ *       with 3 and 5, alone (mono) against
  *       together (stock): a median row within 2e-2, rows beyond it a
  *       warning.
  *
@@ -99,12 +100,13 @@ typedef struct result {
     const char *verdict;
 } result;
 
-static result g_res[96];
+#define MAX_RESULTS 160 /* checks recorded; more than this is a test bug, said at the end */
+static result g_res[MAX_RESULTS];
 static int g_n_res, g_fails, g_warns;
 
 static void record(const ctx *c, const char *test, const char *bound, const char *verdict,
                    const char *fmt, ...) {
-    result *r = &g_res[g_n_res < 95 ? g_n_res++ : 95];
+    result *r = &g_res[g_n_res < MAX_RESULTS - 1 ? g_n_res++ : MAX_RESULTS - 1];
     snprintf(r->preset, sizeof r->preset, "%s", c->label);
     snprintf(r->test, sizeof r->test, "%s", test);
     snprintf(r->bound, sizeof r->bound, "%s", bound);
@@ -782,7 +784,17 @@ static void default_path_case(ctx *c) {
                "%lld mono steps, %lld stock steps%s%.50s", (long long)s.mono_steps,
                (long long)s.stock_steps, fused ? "" : "; refused: ", why);
         c->gpu = e;
+        /* 2 sequences: 2 x BATCH_STEPS 1-row steps alone, BATCH_STEPS
+         * 2-row steps together, every one of them mono where fused (the
+         * prefills are stock); 2-row steps run stock would leave
+         * 2 x BATCH_STEPS */
+        const long long mono0 = m3_engine_get_stats(e).mono_steps;
         concurrency_case(c, 2, false);
+        const long long d_mono = m3_engine_get_stats(e).mono_steps - mono0;
+        const bool pass2 = fused ? d_mono == 3 * BATCH_STEPS : d_mono == 0;
+        record(c, "default path, 2-row steps", fused ? "2-row mono" : "refused",
+               pass2 ? "PASS" : "FAIL", "%lld mono steps in (d) with 2 sequences (%d expected)",
+               d_mono, fused ? 3 * BATCH_STEPS : 0);
         concurrency_case(c, 3, true);
         concurrency_case(c, 5, true);
         c->gpu = saved_gpu;
