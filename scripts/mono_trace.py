@@ -19,7 +19,7 @@ into CTAs' first items of the kind and their later ones.
 import sys
 from collections import defaultdict
 
-PRE = ["norm1", "proj", "index", "norm1_again"]  # norm1_again: traces before 2026-12-01
+PRE = ["norm1", "proj", "index", "norm1_again", "rope"]  # norm1_again: traces before 2026-12-01
 POST = ["select", "attention", "o_proj", "norm2", "router", "shared_gu", "expert_gu",
         "shared_down", "expert_down", "final", "merge", "plan", "dry"]
 

@@ -28,12 +28,14 @@
  * eager launches and graph replays alike (nothing depends on host values
  * that change between replays).
  *
- *   pre  (launch 1): norm1 rows | projection tiles (iq, ik, k, v, q: one
- *        virtual matrix, iq/ik first so the indexer's inputs are ready
- *        first) — the last tile of each 128-wide head does that head's
- *        Gemma norm + RoPE (one rounding) for all rows and its cache write
- *        (k, v, ik) | index scores (row, slice of blocks), waiting only for
- *        the index heads.
+ *   pre  (launch 1): norm1 rows | the rows' RoPE factors (one item; the
+ *        projections wait for it with norm1) | projection tiles (iq, ik,
+ *        k, v, q: one virtual matrix, iq/ik first so the indexer's inputs
+ *        are ready first) — the last tile of each 128-wide head does that
+ *        head's Gemma norm + RoPE (one rounding) for all rows and its cache
+ *        write (k, v, ik) | index scores (slice of blocks, row), waiting
+ *        only for the index heads (a page no row writes is asked for
+ *        before that).
  *   post (launch 2): selection (row, head) | attention (row, KV head, head
  *        tile, split: one selected block per split) | merge (row, query
  *        head: the head's partials, once every split of its group has
@@ -142,7 +144,7 @@ struct m3_cuda_mono {
     int max_blocks, rank, world;
     int P;              /* CTAs per launch */
     size_t smem;        /* dynamic shared memory per CTA */
-    int mtiles, S, s_p[5], p_item0[6], s_pmax, s_o, s_rt, s_shgu, s_shdn, sel_staged;
+    int mtiles, S, s_p[5], p_item0[6], p1_item0[6], s_pi, p_unsplit_from, s_pmax, s_o, s_rt, s_shgu, s_shdn, sel_staged;
     int Ntot, nheads, rt_tiles, n_ctr;
     int o_head, o_ptile, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb, o_idxq;
     double inv_freq[kMaxHalf];
@@ -150,6 +152,7 @@ struct m3_cuda_mono {
     size_t block_bytes;
     uint16_t *x1, *proj, *attn, *o, *x2, *act, *sh_act;
     float *scores;
+    float *rope;
     int32_t *sel;
     float2 *att_ml;
     float *att_acc, *logits, *rw;
@@ -188,11 +191,11 @@ static int env_int(const char *name, int fallback, int lo, int hi) {
 }
 
 /* The K splits the stock GEMV uses for an [N, K] weight (cuda_linear.cu
- * k_splits: CTAs of cta_rows output rows, about two CTAs per SM), so every
+ * k_splits: CTAs of cta_rows output rows, about two CTAs per SM), so a
  * dense product here sums in the stock path's order and gives its bits
- * (the projections, hence the cache entries and the index scores, equal the
- * stock path's; selections too). Depends on shapes and the SM count only,
- * never on the step's rows. */
+ * (with M3_MONO_P_UNSPLIT_FROM=0 the projections, hence the cache entries,
+ * the index scores and the selections, equal the stock path's). Depends on
+ * shapes and the SM count only, never on the step's rows. */
 static int stock_splits(int sm_count, int64_t N, int64_t K, int cta_rows) {
     int64_t n_tiles = (N + cta_rows - 1) / cta_rows;
     int64_t chunks = (K + kKC - 1) / kKC;
@@ -362,7 +365,7 @@ static void plan_splits(m3_cuda_mono *m) {
     const int sm = m->cu->sm_count;
     const int64_t p_rows[5] = {(int64_t)Ni * kHD, kHD, (int64_t)Nkv * kHD, (int64_t)Nkv * kHD,
                                (int64_t)Nq * kHD};
-    m->p_item0[0] = 0;
+    m->p_item0[0] = m->p1_item0[0] = 0;
     m->s_pmax = 1;
     for (int i = 0; i < 5; i++) {
         m->s_p[i] = stock_splits(sm, p_rows[i], H, 16);
@@ -370,6 +373,22 @@ static void plan_splits(m3_cuda_mono *m) {
         m->s_pmax = m->s_p[i] > m->s_pmax ? m->s_p[i] : m->s_pmax;
         m->p_item0[i + 1] = m->p_item0[i] + (int)(p_rows[i] / kTile) * m->s_p[i];
     }
+    /* steps of at least p_unsplit_from rows (0: none) take q, k and v
+     * unsplit, one item per 8-row tile over all of K (no partial sums), and
+     * iq and ik in s_pi slices (M3_MONO_P_UNSPLIT_FROM, M3_MONO_SPLITS_PI).
+     * By default every step: on m3-tp4-rank that is 384 items, one wave on
+     * 396 CTAs (the stock rule's 1,152 ran three), iq and ik in items of two
+     * chunks so the index heads, and the index items after them, finish
+     * while q, k and v still stream (docs/PERF.md, twenty-fourth session).
+     * Unsplit, the projections' fp32 sums run in another order than the
+     * stock GEMV's, so the cache entries and index scores equal the stock
+     * path's up to rounding, not bit for bit. */
+    const char *split_p = getenv("M3_MONO_SPLITS_P"); /* (then splits by default) */
+    m->p_unsplit_from = env_int("M3_MONO_P_UNSPLIT_FROM", split_p && *split_p ? 0 : 1, 0, kMaxT);
+    m->s_pi = env_int("M3_MONO_SPLITS_PI", 3, 1, 64);
+    m->s_pmax = m->s_pi > m->s_pmax ? m->s_pi : m->s_pmax;
+    for (int i = 0; i < 5; i++)
+        m->p1_item0[i + 1] = m->p1_item0[i] + (int)(p_rows[i] / kTile) * (i < 2 ? m->s_pi : 1);
     m->s_o = stock_splits(sm, H, (int64_t)Nq * kHD, 16);
     m->s_o = env_int("M3_MONO_SPLITS_O", m->s_o, 1, 64); /* experiments */
     m->s_rt = stock_splits(sm, E, H, 8);
@@ -425,6 +444,7 @@ static m3_status alloc_scratch(m3_cuda_mono *m) {
         {(void **)&m->act, (size_t)R * K * I * 2},
         {(void **)&m->sh_act, (size_t)R * (Is ? Is : 1) * 2},
         {(void **)&m->scores, (size_t)R * Ni * m->max_blocks * 4},
+        {(void **)&m->rope, (size_t)R * kMaxHalf * 2 * 4},
         {(void **)&m->sel, (size_t)R * Ni * c->topk_blocks * 4},
         {(void **)&m->att_ml, (size_t)R * Nq * m->S * 8},
         {(void **)&m->att_acc, (size_t)R * Nq * m->S * kHD * 4},
@@ -782,8 +802,14 @@ static void args_shapes(const m3_cuda_mono *m, const m3_step *st, int layer, boo
     a->first = first;
     a->sel_staged = m->sel_staged;
     a->smem = (int)m->smem;
-    memcpy(a->s_p, m->s_p, sizeof a->s_p);
-    memcpy(a->p_item0, m->p_item0, sizeof a->p_item0);
+    if (m->p_unsplit_from > 0 && a->T >= m->p_unsplit_from) {
+        for (int i = 0; i < 5; i++)
+            a->s_p[i] = i < 2 ? m->s_pi : 1;
+        memcpy(a->p_item0, m->p1_item0, sizeof a->p_item0);
+    } else {
+        memcpy(a->s_p, m->s_p, sizeof a->s_p);
+        memcpy(a->p_item0, m->p_item0, sizeof a->p_item0);
+    }
     a->s_pmax = m->s_pmax;
     a->s_o = m->s_o;
     a->s_rt = m->s_rt;
@@ -866,6 +892,7 @@ static void args_buffers(const m3_cuda_mono *m, const m3_step *st, const m3_cach
     a->act = m->act;
     a->sh_act = m->sh_act;
     a->scores = m->scores;
+    a->rope = m->rope;
     a->sel = m->sel;
     a->att_ml = m->att_ml;
     a->att_acc = m->att_acc;

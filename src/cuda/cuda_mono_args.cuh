@@ -68,7 +68,7 @@ constexpr int kCtrLine = 32;
 enum {
     C_QUEUE = 0 * kCtrLine,  /* work list cursor */
     C_EXIT = 1 * kCtrLine,   /* CTAs done */
-    C_NORM1 = 2 * kCtrLine,  /* norm1 rows done (target T) */
+    C_NORM1 = 2 * kCtrLine,  /* norm1 rows done and the RoPE factors tabled (target T + 1) */
     C_IDX = 3 * kCtrLine,    /* index heads (iq heads + ik) normed and cached (target Ni + 1) */
     C_ATT = 4 * kCtrLine,    /* attention heads merged (target T * Nq) */
     C_OPROJ = 5 * kCtrLine,  /* o_proj tiles done (target H / 8) */
@@ -122,6 +122,7 @@ struct MonoArgs {
     /* scratch */
     uint16_t *x1, *proj, *attn, *o, *x2, *act, *sh_act;
     float *scores;
+    float *rope; /* [kMaxT][kMaxHalf] (cos, sin) of the rows' positions (rope_item) */
     int32_t *sel;
     float2 *att_ml;
     float *att_acc;

@@ -60,6 +60,14 @@ __device__ __forceinline__ void mark() {
 #endif
 }
 
+/* The GEMV's per-chunk marks; M3_MONO_MARKS_EPI builds leave them out so
+ * that the marks of a projection item's head epilogue fit in kMarks. */
+__device__ __forceinline__ void mark_chunk() {
+#ifndef M3_MONO_MARKS_EPI
+    mark();
+#endif
+}
+
 __device__ __forceinline__ void knobs_init(const MonoArgs &a) {
     if (threadIdx.x == 0) {
         s_spin_ns = a.spin_ns;
@@ -405,10 +413,10 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
         __syncthreads(); /* the previous chunk (or item) is consumed */
         stage_x<NR>(xs, rowp, rows, kc, kn);
         __syncthreads();
-        mark(); /* the chunk's activations staged */
+        mark_chunk(); /* the chunk's activations staged */
         if (n0 < N)
             chunk_fma<NR, FP8>(acc, b, kn, xs, lane, rows);
-        mark(); /* warp 0's products of the chunk done (thread 0's time) */
+        mark_chunk(); /* warp 0's products of the chunk done (thread 0's time) */
     }
 }
 

@@ -26,7 +26,10 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     gemv_rows<NR, V>(acc, wrow_of(a.wo), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp, a.T,
                      reinterpret_cast<uint16_t *>(dsm), faulted, &a.ctr[C_ATT],
                      (unsigned)(a.T * a.Nq));
-    if (!split_reduce<NR>(acc, a.s_o, slice, tile, a.part_o, a.ctr + a.o_otile, ctl))
+    mark(); /* the slice's products summed (warp sums) */
+    const bool last = split_reduce<NR>(acc, a.s_o, slice, tile, a.part_o, a.ctr + a.o_otile, ctl);
+    mark(); /* the partial written and arrived (the last arriver: summed) */
+    if (!last)
         return;
     for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
         int r = i / a.T, t = i % a.T, n = tile * kTile + r;

@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
     knobs_init(a);
-    const int n_norm = a.T, n_proj = a.p_item0[5], n_idx = idx_items<NR>(a);
+    const int n_norm = a.T + 1, n_proj = a.p_item0[5], n_idx = idx_items<NR>(a);
     const int total = n_norm + n_proj + n_idx;
     if (threadIdx.x == 0)
         ctl.cur = (int)atomicAdd(&a.ctr[C_QUEUE], 1u);
@@ -130,8 +130,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             nxt = atomicAdd(&a.ctr[C_QUEUE], 1u); /* in flight during the item */
         unsigned long long t0 = a.trace ? gtimer() : 0;
         int item = cur, kind;
-        if (cur < n_norm)
+        if (cur < a.T)
             kind = 0, norm1_item(a, ctl, dsm, cur, faulted);
+        else if (cur < n_norm)
+            kind = 4, rope_item(a, ctl, faulted); /* the RoPE factors */
         else if ((cur -= n_norm) < n_proj)
             kind = 1, proj_item<NR, V>(a, ctl, dsm, cur, faulted);
         else

@@ -47,6 +47,7 @@ __device__ void head_epilogue(const MonoArgs &a, unsigned char *dsm, int hh, boo
         float x[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
                       __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u)};
         uint2 outv = raw;
+        mark(); /* (warp 0, row 0) the head's row loaded */
         if (kind != HK_V) {
             double ss = 0.0;
             for (int j = 0; j < 4; j++)
@@ -58,14 +59,16 @@ __device__ void head_epilogue(const MonoArgs &a, unsigned char *dsm, int hh, boo
                 y[j] = __fmul_rn(__fmul_rn(x[j], r), wp1[j]);
                 sy[lane * 4 + j] = y[j];
             }
-            int64_t pos = a.pos[t];
+            /* the RoPE factors tabled by rope_item (this item's GEMV waited
+             * for its signal with norm1's) */
+            const float2 *f = reinterpret_cast<const float2 *>(a.rope) + t * kMaxHalf;
             for (int i = lane; i < a.half; i += 32) {
-                double s, c;
-                sincos((double)pos * a.inv_freq[i], &s, &c);
-                scs[i] = (float)c;
-                ssn[i] = (float)s;
+                const float2 cs = __ldcg(f + i);
+                scs[i] = cs.x;
+                ssn[i] = cs.y;
             }
             __syncwarp();
+            mark(); /* normed, and the RoPE factors computed */
             for (int j = 0; j < 4; j++) {
                 int d = lane * 4 + j;
                 o[j] = y[j];
@@ -96,6 +99,24 @@ __device__ void head_epilogue(const MonoArgs &a, unsigned char *dsm, int hh, boo
                                       : cache + ((page * a.Nkv + g) * M3_PAGE + off) * kHD;
         reinterpret_cast<uint2 *>(dst)[lane] = outv;
     }
+    mark(); /* the rows written (and cached) */
+}
+
+/* The RoPE factors of every row's position (the stock path's double
+ * expression, rounded once), tabled by one item while the others wait for
+ * norm1: the head epilogues on the chain read them instead of computing
+ * double sincos (cold code) there. It counts as one of norm1's signals. */
+__device__ void rope_item(const MonoArgs &a, Ctl &ctl, bool faulted) {
+    if (!faulted) {
+        float2 *f = reinterpret_cast<float2 *>(a.rope);
+        for (int i = threadIdx.x; i < a.T * a.half; i += kThreads) {
+            const int t = i / a.half, k = i % a.half;
+            double s, c;
+            sincos((double)a.pos[t] * a.inv_freq[k], &s, &c);
+            f[t * kMaxHalf + k] = make_float2((float)c, (float)s);
+        }
+    }
+    signal_count(&a.ctr[C_NORM1]);
 }
 
 __device__ void norm1_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int t,
@@ -110,9 +131,9 @@ __device__ void norm1_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
 
 /* Projection item: a tile of the virtual matrix [iq; ik; k; v; q] (the
  * columns of a.proj) and a K slice, in matrix order (iq and ik first: the
- * indexer waits for them). Every matrix keeps the stock GEMV's K split (the
- * sums within a slice are not cut into the stock path's chunks: the
- * projections are its values up to fp32 summation order). */
+ * indexer waits for them), in a.s_p[matrix] K slices: the stock GEMV's
+ * split (its values up to fp32 summation order), or by default q, k and v
+ * unsplit and iq, ik in a few slices (cuda_mono.cu plan_splits). */
 template <int NR, int V>
 __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                           bool faulted) {
@@ -134,9 +155,13 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
      * (the first wave of items waits ~6 us for it at one row) */
     gemv_rows<NR, V>(acc, wrow_of(*m), vr - base, m->n, k0, k1, ctl.rowp, a.T,
                      reinterpret_cast<uint16_t *>(dsm), faulted, &a.ctr[C_NORM1],
-                     (unsigned)a.T);
+                     (unsigned)a.T + 1u);
+    mark(); /* the slice's products summed (warp sums) */
     /* partial slots: s_pmax per tile whatever the matrix's own split */
-    if (!split_reduce<NR>(acc, s, slice, tile, a.part_proj, a.ctr + a.o_ptile, ctl, a.s_pmax))
+    const bool last = split_reduce<NR>(acc, s, slice, tile, a.part_proj, a.ctr + a.o_ptile, ctl,
+                                       a.s_pmax);
+    mark(); /* the partial written and arrived (the last arriver: summed) */
+    if (!last)
         return;
     for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
         int r = i / a.T, t = i % a.T;
@@ -147,6 +172,7 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
         return;
     /* no cache writes once a fault is set (read again: this CTA may have
      * started its tile before another one set it) */
+    mark(); /* the tile written; the head's last tile: its epilogue next */
     head_epilogue(a, dsm, hh, fault_now(a, ctl));
     if (hh <= a.Ni)
         signal_count(&a.ctr[C_IDX]);
@@ -233,38 +259,56 @@ __device__ void idx_tile(const MonoArgs &a, Ctl &ctl, const unsigned char *tile,
     }
 }
 
-/* Scores of row t's blocks j, j + G, ... */
+/* Is index cache page `page` free of this step's writes (no row's slot in
+ * it)? Such a page can be loaded before the index heads are cached. */
+__device__ __forceinline__ bool idx_page_clean(const MonoArgs &a, int64_t page) {
+    for (int t = 0; t < a.T; t++) {
+        const int64_t slot = a.slots[t];
+        if (slot >= 0 && slot / M3_PAGE == page)
+            return false;
+    }
+    return true;
+}
+
+/* Scores of row t's blocks j, j + G, ..., items numbered j-major (item
+ * t + T j), so the items with pages come first at any context. Blocks past
+ * a good row's keys are left alone (the selection reads a row's scores
+ * below its block count only); a bad row's are filled with NaN. The first
+ * page is asked for before the wait for the index heads when no row of the
+ * step writes it (it does not depend on this step's projections), so an
+ * item without pages never waits. */
 __device__ void idx_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                          bool faulted) {
     const int G = a.G, MB = a.mb;
-    const int t = item / G, j = item % G;
+    const int t = item % a.T, j = item / a.T;
     RowView rv = load_row(a, t);
-    if (rv.state == ROW_PADDED)
+    if (rv.state == ROW_PADDED || faulted)
         return;
-    wait_count(&a.ctr[C_IDX], (unsigned)(a.Ni + 1));
-    if (faulted)
-        return;
-    if (rv.state == ROW_BAD && threadIdx.x == 0 && j == 0)
-        fault_set(a.fault, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
     float *out_row = a.scores + (int64_t)t * a.Ni * MB;
-    int nb = rv.state == ROW_OK ? rv.nblocks : 0;
-    int mine = nb > j ? (nb - 1 - j) / G + 1 : 0;
-    int owned = j < MB ? (MB - 1 - j) / G + 1 : 0;
-    float fill = rv.state == ROW_BAD ? m3_qnan() : -INFINITY;
-    for (int64_t k = (int64_t)mine * a.Ni + threadIdx.x; k < (int64_t)owned * a.Ni;
-         k += kThreads) {
-        int64_t i = k / a.Ni, h = k % a.Ni;
-        out_row[h * MB + j + i * G] = fill;
+    if (rv.state == ROW_BAD) {
+        if (threadIdx.x == 0 && j == 0)
+            fault_set(a.fault, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
+        const int owned = j < MB ? (MB - 1 - j) / G + 1 : 0;
+        for (int64_t k = threadIdx.x; k < (int64_t)owned * a.Ni; k += kThreads)
+            out_row[(k % a.Ni) * MB + j + (k / a.Ni) * G] = m3_qnan();
+        return;
     }
+    const int nb = rv.nblocks;
+    const int mine = nb > j ? (nb - 1 - j) / G + 1 : 0;
     if (mine == 0)
         return;
     double *qd = reinterpret_cast<double *>(dsm);
     unsigned char *tiles = dsm + (size_t)a.Ni * kHD * sizeof(double);
     const size_t stage = (size_t)M3_PAGE * idx_row_bytes();
+    const bool early = idx_page_clean(a, rv.table[j]);
+    if (early)
+        idx_load(a, rv, t, j, tiles, &ctl.s_count[0]);
+    wait_count(&a.ctr[C_IDX], (unsigned)(a.Ni + 1));
     const uint16_t *iq = a.proj + (size_t)t * a.Ntot; /* iq heads at column 0 */
     for (int e = threadIdx.x; e < a.Ni * kHD; e += kThreads)
         qd[e] = (double)m3_bf(__ldcg(iq + e));
-    idx_load(a, rv, t, j, tiles, &ctl.s_count[0]);
+    if (!early)
+        idx_load(a, rv, t, j, tiles, &ctl.s_count[0]);
     cp_async_commit();
     for (int i = 0; i < mine; i++) {
         if (i + 1 < mine)
