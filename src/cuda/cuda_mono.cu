@@ -144,7 +144,7 @@ struct m3_cuda_mono {
     int max_blocks, rank, world;
     int P;              /* CTAs per launch */
     size_t smem;        /* dynamic shared memory per CTA */
-    int mtiles, S, s_p[5], p_item0[6], p1_item0[6], s_pi, p_unsplit_from, s_pmax, s_o, s_rt, s_shgu, s_shdn, sel_staged;
+    int mtiles, S, s_p[2][5], p_item0[2][6], p_unsplit_from, s_pmax, s_o, s_rt, s_shgu, s_shdn, sel_staged;
     int Ntot, nheads, rt_tiles, n_ctr;
     int o_head, o_ptile, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb, o_idxq;
     double inv_freq[kMaxHalf];
@@ -365,30 +365,32 @@ static void plan_splits(m3_cuda_mono *m) {
     const int sm = m->cu->sm_count;
     const int64_t p_rows[5] = {(int64_t)Ni * kHD, kHD, (int64_t)Nkv * kHD, (int64_t)Nkv * kHD,
                                (int64_t)Nq * kHD};
-    m->p_item0[0] = m->p1_item0[0] = 0;
-    m->s_pmax = 1;
-    for (int i = 0; i < 5; i++) {
-        m->s_p[i] = stock_splits(sm, p_rows[i], H, 16);
-        m->s_p[i] = env_int("M3_MONO_SPLITS_P", m->s_p[i], 1, 64); /* experiments */
-        m->s_pmax = m->s_p[i] > m->s_pmax ? m->s_p[i] : m->s_pmax;
-        m->p_item0[i + 1] = m->p_item0[i] + (int)(p_rows[i] / kTile) * m->s_p[i];
-    }
-    /* steps of at least p_unsplit_from rows (0: none) take q, k and v
-     * unsplit, one item per 8-row tile over all of K (no partial sums), and
-     * iq and ik in s_pi slices (M3_MONO_P_UNSPLIT_FROM, M3_MONO_SPLITS_PI).
-     * By default every step: on m3-tp4-rank that is 384 items, one wave on
-     * 396 CTAs (the stock rule's 1,152 ran three), iq and ik in items of two
-     * chunks so the index heads, and the index items after them, finish
-     * while q, k and v still stream (docs/PERF.md, twenty-fourth session).
-     * Unsplit, the projections' fp32 sums run in another order than the
-     * stock GEMV's, so the cache entries and index scores equal the stock
-     * path's up to rounding, not bit for bit. */
-    const char *split_p = getenv("M3_MONO_SPLITS_P"); /* (then splits by default) */
+    /* Two sets of projection splits (iq, ik, k, v, q), chosen per step:
+     * set 0 the stock rule's; set 1, for steps of at least p_unsplit_from
+     * rows (0: none), q, k and v unsplit, one item per 8-row tile over all
+     * of K (no partial sums), and iq and ik in M3_MONO_SPLITS_PI slices.
+     * Set 1 by default at every step: on m3-tp4-rank that is 384 items,
+     * one wave on 396 CTAs (the stock rule's 1,152 ran three), iq and ik in
+     * items of two chunks so the index heads, and the index items after
+     * them, finish while q, k and v still stream (docs/PERF.md,
+     * twenty-fourth session). Unsplit, the projections' fp32 sums run in
+     * another order than the stock GEMV's, so the cache entries and index
+     * scores equal the stock path's up to rounding, not bit for bit. */
+    const char *split_p = getenv("M3_MONO_SPLITS_P"); /* (then set 0 by default) */
     m->p_unsplit_from = env_int("M3_MONO_P_UNSPLIT_FROM", split_p && *split_p ? 0 : 1, 0, kMaxT);
-    m->s_pi = env_int("M3_MONO_SPLITS_PI", 3, 1, 64);
-    m->s_pmax = m->s_pi > m->s_pmax ? m->s_pi : m->s_pmax;
-    for (int i = 0; i < 5; i++)
-        m->p1_item0[i + 1] = m->p1_item0[i] + (int)(p_rows[i] / kTile) * (i < 2 ? m->s_pi : 1);
+    const int s_pi = env_int("M3_MONO_SPLITS_PI", 3, 1, 64);
+    m->s_pmax = 1;
+    for (int set = 0; set < 2; set++) {
+        m->p_item0[set][0] = 0;
+        for (int i = 0; i < 5; i++) {
+            int sp = set == 1 ? (i < 2 ? s_pi : 1) : stock_splits(sm, p_rows[i], H, 16);
+            if (set == 0)
+                sp = env_int("M3_MONO_SPLITS_P", sp, 1, 64); /* experiments */
+            m->s_p[set][i] = sp;
+            m->s_pmax = sp > m->s_pmax ? sp : m->s_pmax;
+            m->p_item0[set][i + 1] = m->p_item0[set][i] + (int)(p_rows[i] / kTile) * sp;
+        }
+    }
     m->s_o = stock_splits(sm, H, (int64_t)Nq * kHD, 16);
     m->s_o = env_int("M3_MONO_SPLITS_O", m->s_o, 1, 64); /* experiments */
     m->s_rt = stock_splits(sm, E, H, 8);
@@ -802,14 +804,9 @@ static void args_shapes(const m3_cuda_mono *m, const m3_step *st, int layer, boo
     a->first = first;
     a->sel_staged = m->sel_staged;
     a->smem = (int)m->smem;
-    if (m->p_unsplit_from > 0 && a->T >= m->p_unsplit_from) {
-        for (int i = 0; i < 5; i++)
-            a->s_p[i] = i < 2 ? m->s_pi : 1;
-        memcpy(a->p_item0, m->p1_item0, sizeof a->p_item0);
-    } else {
-        memcpy(a->s_p, m->s_p, sizeof a->s_p);
-        memcpy(a->p_item0, m->p_item0, sizeof a->p_item0);
-    }
+    const int pset = m->p_unsplit_from > 0 && a->T >= m->p_unsplit_from; /* plan_splits */
+    memcpy(a->s_p, m->s_p[pset], sizeof a->s_p);
+    memcpy(a->p_item0, m->p_item0[pset], sizeof a->p_item0);
     a->s_pmax = m->s_pmax;
     a->s_o = m->s_o;
     a->s_rt = m->s_rt;
