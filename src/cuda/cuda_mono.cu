@@ -171,7 +171,8 @@ struct m3_cuda_mono {
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
     /* tuning knobs (see m3_cuda_mono_create) */
-    int spin_ns, poll_acquire, shdn_early, edn_sub, shdn_sub, egu_sub, pin, idx_claim, idx_run, idx_min_pages;
+    int spin_ns, poll_acquire, shdn_early, edn_sub, shdn_sub, egu_sub, pin, idx_claim, idx_run, idx_min_pages,
+        idx_slices;
     uint16_t *dry_rows; /* M3_MONO_PIN=2 scratch (see MonoArgs) */
     float *dry_logits;
     int32_t *dry_plan;
@@ -353,6 +354,10 @@ static void read_knobs(m3_cuda_mono *m) {
     /* (the tests set it low to have the items choose claims on the device) */
     m->idx_min_pages = env_int("M3_MONO_IDX_MIN_PAGES", kIdxClaimMinPages, 1, 1 << 20);
     m->idx_run = env_int("M3_MONO_IDX_RUN", 4, 1, 1 << 20);
+    /* M3_MONO_IDX_SLICES=n: fixed index slices per row, n x CTAs / rows
+     * (0, the default: 2 in the kernels without claims, else 1; see
+     * args_shapes) */
+    m->idx_slices = env_int("M3_MONO_IDX_SLICES", 0, 0, 64);
 }
 
 /* K splits by the stock linear op's rule before its chunk groups (16-row
@@ -778,8 +783,14 @@ static void args_shapes(const m3_cuda_mono *m, const m3_step *st, int layer, boo
      * chooses per step from idx_min_pages pages a slice: here where the
      * tables' width settles it, else on the device from the rows' real
      * pages (under graphs a->mb is the context's capacity); 0 fixed, 1
-     * claims. */
-    int G = m->P / a->T;
+     * claims. Where claims do not exist (fewer than kIdxClaimMinRows rows)
+     * two slices per CTA and row: at 128K a row's 1,024 pages in 396 items
+     * left a tail of three-page items on the CTAs that ran q, k and v, and
+     * items of one or two pages end sooner (-1.5% at one row, -4% at two;
+     * the items with no pages at short contexts return at once: +0.3% at
+     * 4K; docs/PERF.md, twenty-fifth session). */
+    const int slices = m->idx_slices ? m->idx_slices : a->T < kIdxClaimMinRows ? 2 : 1;
+    int G = slices * m->P / a->T;
     a->G = G < 1 ? 1 : (G > a->mb ? a->mb : G);
     const int64_t pages_cap = (int64_t)a->T * a->mb;
     a->Gc = (int)(pages_cap < m->P ? pages_cap : m->P);
