@@ -2,7 +2,7 @@
  * The mono path's CUDA executor (cuda/cuda_mono.h) against the stock layer
  * (decode/forward.c m3_stock_layer on the CUDA backend), SPEC §5 and §8.
  *
- * Models: checkpoints synthesized into temporary folders, five variants:
+ * Models: checkpoints synthesized into temporary folders, six variants:
  *   small         the `small` preset (hidden 1024, 32 query / 2 KV heads,
  *                 16 experts top-4, a shared expert, top-4 blocks with one
  *                 init and one local block), bf16
@@ -15,6 +15,8 @@
  *   small-top16   `small` with M3's selection, top-16 blocks with no init
  *                 and one local block, over prompts of 2200..4200 tokens
  *                 (18-33 pages)
+ *   small-long    the same over prompts of 16600..20000 tokens (130-157
+ *                 pages: the selection's path for more than 128 blocks)
  * Each is loaded into a CUDA engine (graphs off) with 16 sequences
  * prefilled to 600..1500 tokens (small-top16: 2200..4200; never a multiple
  * of 128; more blocks than top-k, so the indexer really selects). The decode steps are built with
@@ -116,6 +118,9 @@ static const variant k_variants[] = {
     /* M3's selection: top-16 of 18-33 pages (the others keep every page
      * up to 12), one index head per KV head as on a TP-4 rank */
     {"small-top16", "small", false, false, 0, 16, 0, 1, 2200, 4200},
+    /* top-16 of 130-157 pages: more than 128 candidates, so the selection
+     * takes the warps' merged lists (cuda_async.cuh) */
+    {"small-long", "small", false, false, 0, 16, 0, 1, 16600, 20000},
 };
 
 /* ------------------------------------------------------------ results */

@@ -420,6 +420,10 @@ static void test_index_scores(void) {
 
 /* ------------------------------------------------------------ select_blocks */
 
+/* select_case's scores: false, few distinct values (ties); true, spread
+ * (random floats, some NaN and -inf) */
+static bool g_sel_spread;
+
 static void select_case(const char *what, const m3_select_params *p, int n_reqs, const int *lens,
                         const int *ql, int heads, int max_blocks) {
     pstep s;
@@ -437,7 +441,11 @@ static void select_case(const char *what, const m3_select_params *p, int n_reqs,
             int b = (int)(k % max_blocks), u = rng_below(16);
             /* few distinct values (ties), NaN, -inf; past the visible
              * blocks a large score the op must ignore */
-            sc[k] = b >= nb ? 1e30f : u == 0 ? NAN : u == 1 ? -INFINITY : (float)(u % 5 - 2);
+            sc[k] = b >= nb                  ? 1e30f
+                    : u == 0                 ? NAN
+                    : u == 1                 ? -INFINITY
+                    : g_sel_spread           ? (float)rng_below(1 << 20) / 4096.0f - 128.0f
+                                             : (float)(u % 5 - 2);
         }
     }
     int32_t *ref = halloc((size_t)nsel * 4);
@@ -478,6 +486,17 @@ static void test_select_blocks(void) {
     int zlen[1] = {700}, zql[1] = {700}; /* a whole 700-token prompt */
     select_case("prompt", &tiny, 1, zlen, zql, 2, 8);
     select_case("prompt", &small, 1, zlen, zql, 2, 8);
+    /* long rows, more than 128 candidates: up to room 32 the warps' merged
+     * lists, above it the radix select */
+    m3_select_params room32 = {33, 0, 1}, room62 = {64, 1, 1};
+    int llen[4] = {129 * PAGE + 5, 600 * PAGE, 1500 * PAGE + 77, 2047 * PAGE}, lql[4] = {1, 1, 1, 1};
+    for (int spread = 0; spread < 2; spread++) {
+        g_sel_spread = spread;
+        select_case(spread ? "long rows, spread" : "long rows, ties", &m3, 4, llen, lql, 2, 2048);
+        select_case(spread ? "long rows, spread" : "long rows, ties", &room32, 4, llen, lql, 2, 2048);
+        select_case(spread ? "long rows, spread" : "long rows, ties", &room62, 4, llen, lql, 2, 2048);
+    }
+    g_sel_spread = false;
 }
 
 /* ------------------------------------------------------------ attention */
