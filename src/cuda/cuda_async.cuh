@@ -167,7 +167,6 @@ struct SelSharedT {
     unsigned k;
     int done;
     int wcount[WARPS];
-    unsigned long long lists[WARPS][32]; /* sel_threshold_warps: each warp's best keys */
 };
 
 
@@ -247,85 +246,14 @@ __device__ uint64_t sel_threshold_small(const float *sc, int c0, int n, unsigned
     return thr;
 }
 
-/* One key per lane, sorted descending across the warp (bitonic). */
-__device__ __forceinline__ uint64_t warp_sort_desc(uint64_t key, int lane) {
-#pragma unroll
-    for (int k = 2; k <= 32; k <<= 1)
-#pragma unroll
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            const uint64_t o = __shfl_xor_sync(0xffffffffu, key, j);
-            const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);
-            key = keep_max ? (key > o ? key : o) : (key < o ? key : o);
-        }
-    return key;
-}
-
-/* list (descending across the warp) := the 32 largest of list and other
- * (descending too), descending: the lane-wise max of list and other
- * reversed is bitonic and holds them; five steps sort it. */
-__device__ __forceinline__ uint64_t warp_merge_desc(uint64_t list, uint64_t other, int lane) {
-    const uint64_t r = __shfl_sync(0xffffffffu, other, 31 - lane);
-    uint64_t key = list > r ? list : r;
-#pragma unroll
-    for (int j = 16; j > 0; j >>= 1) {
-        const uint64_t o = __shfl_xor_sync(0xffffffffu, key, j);
-        key = (lane & j) == 0 ? (key > o ? key : o) : (key < o ? key : o);
-    }
-    return key;
-}
-
-/* More than 128 candidates and room <= 32 (M3: room 15 of up to 8,192
- * blocks): each warp keeps the 32 largest keys it has seen, one per lane in
- * descending order, and merges in each batch of 32 candidates that holds a
- * key above its room-th (sorted, then merged: 20 shuffle steps, no
- * barrier); warp 0 then merges the warps' lists, and its lane room - 1
- * holds the threshold. The radix select below takes up to eight passes of
- * three barriers over every candidate (the mono selection item took
- * 10.4 µs at 1,024 candidates against 3.6 at 32: docs/PERF.md,
- * twenty-fifth session). Exact: a warp's first `room` entries are always
- * the largest keys it has seen (a batch it skips has none above them), so
- * the merged lists hold the `room` largest keys of all. Lanes start at key
- * 0, the least key there is: n > room real keys are distinct, so the
- * room-th largest is above 0 and no 0 entry can be it. */
-template <int THREADS>
-__device__ uint64_t sel_threshold_warps(const float *sc, int c0, int c1, unsigned room,
-                                        SelSharedT<THREADS / 32> &sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    uint64_t list = 0;
-    for (int base = c0 + warp * 32; base < c1; base += THREADS) { /* warp-uniform */
-        const int b = base + lane;
-        uint64_t key = b < c1 ? sel_key(sc[b], b) : 0;
-        const uint64_t kth = __shfl_sync(0xffffffffu, list, (int)room - 1);
-        if (!__any_sync(0xffffffffu, key > kth))
-            continue;
-        list = warp_merge_desc(list, warp_sort_desc(key, lane), lane);
-    }
-    sh.lists[warp][lane] = list;
-    __syncthreads();
-    if (warp == 0) {
-        for (int w = 1; w < THREADS / 32; w++)
-            list = warp_merge_desc(list, sh.lists[w][lane], lane);
-        if (lane == (int)room - 1)
-            sh.prefix = list;
-    }
-    __syncthreads();
-    const uint64_t thr = sh.prefix;
-    __syncthreads(); /* prefix is the caller's again */
-    return thr;
-}
-
 /* Radix select (8-bit digits, most significant first) over the keys of
  * candidates [c0, c1): returns thr such that exactly `room` of them have
- * key >= thr (keys are distinct: they end in the block id). Up to 128
- * candidates a direct rank, and from 129 with room <= 32 the warps'
- * merged lists (both above) instead. */
+ * key >= thr (keys are distinct: they end in the block id). */
 template <int THREADS>
 __device__ uint64_t sel_threshold(const float *sc, int c0, int c1, unsigned room,
                               SelSharedT<THREADS / 32> &sh) {
     if (c1 - c0 <= 128 && THREADS >= 128 && room >= 1u && (int)room < c1 - c0) /* CTA-uniform */
         return sel_threshold_small<THREADS>(sc, c0, c1 - c0, room, sh);
-    if (c1 - c0 > 128 && room >= 1u && room <= 32u) /* CTA-uniform */
-        return sel_threshold_warps<THREADS>(sc, c0, c1, room, sh);
     int lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         sh.prefix = 0;

@@ -16,7 +16,7 @@
  *                 and one local block, over prompts of 2200..4200 tokens
  *                 (18-33 pages)
  *   small-long    the same over prompts of 16600..20000 tokens (130-157
- *                 pages: the selection's path for more than 128 blocks)
+ *                 pages: the selection's radix select)
  * Each is loaded into a CUDA engine (graphs off) with 16 sequences
  * prefilled to 600..1500 tokens (small-top16: 2200..4200; never a multiple
  * of 128; more blocks than top-k, so the indexer really selects). The decode steps are built with
@@ -119,7 +119,7 @@ static const variant k_variants[] = {
      * up to 12), one index head per KV head as on a TP-4 rank */
     {"small-top16", "small", false, false, 0, 16, 0, 1, 2200, 4200},
     /* top-16 of 130-157 pages: more than 128 candidates, so the selection
-     * takes the warps' merged lists (cuda_async.cuh) */
+     * takes its radix select (cuda_async.cuh) */
     {"small-long", "small", false, false, 0, 16, 0, 1, 16600, 20000},
 };
 

@@ -486,8 +486,8 @@ static void test_select_blocks(void) {
     int zlen[1] = {700}, zql[1] = {700}; /* a whole 700-token prompt */
     select_case("prompt", &tiny, 1, zlen, zql, 2, 8);
     select_case("prompt", &small, 1, zlen, zql, 2, 8);
-    /* long rows, more than 128 candidates: up to room 32 the warps' merged
-     * lists, above it the radix select */
+    /* long rows, more than 128 candidates (the radix select), rooms of
+     * 15, 32 and 62 */
     m3_select_params room32 = {33, 0, 1}, room62 = {64, 1, 1};
     int llen[4] = {129 * PAGE + 5, 600 * PAGE, 1500 * PAGE + 77, 2047 * PAGE}, lql[4] = {1, 1, 1, 1};
     for (int spread = 0; spread < 2; spread++) {
