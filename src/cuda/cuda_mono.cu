@@ -119,8 +119,9 @@
 /*
  * Files: cuda_mono.cu (this: host side: create, knobs, splits, scratch,
  * trace, fault word) and cuda_mono_layer.cu (a layer call's arguments and
- * launch), sharing cuda_mono_host.h (the executor's state); cuda_mono_args.cuh (constants, variants, MonoArgs, the
- * kernel unit's entry points), cuda_mono_kernels.cuh (the kernels' item
+ * launch), sharing cuda_mono_host.h (the executor's state);
+ * cuda_mono_args.cuh (constants, variants, MonoArgs, the kernel unit's
+ * entry points), cuda_mono_kernels.cuh (the kernels' item
  * loops and launches, templates over rows and variant) with its parts
  * cuda_mono_dev.cuh (counters, GEMV core, norms), cuda_mono_pre.cuh
  * (launch 1 items), cuda_mono_attn.cuh (selection, attention),

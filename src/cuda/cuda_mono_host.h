@@ -41,7 +41,7 @@ struct m3_cuda_mono {
     unsigned *trace_n;
     unsigned trace_cap;
     bool tracing;       /* between trace_start and trace_write */
-    /* tuning knobs (see m3_cuda_mono_create) */
+    /* tuning knobs (cuda_mono.cu read_knobs) */
     int spin_ns, poll_acquire, shdn_early, edn_sub, shdn_sub, egu_sub, pin, idx_claim, idx_run, idx_min_pages,
         idx_slices;
     uint16_t *dry_rows; /* M3_MONO_PIN=2 scratch (see MonoArgs) */

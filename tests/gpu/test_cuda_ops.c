@@ -488,13 +488,13 @@ static void test_select_blocks(void) {
     select_case("prompt", &small, 1, zlen, zql, 2, 8);
     /* long rows, more than 128 candidates (the radix select), rooms of
      * 15, 32 and 62 */
-    m3_select_params room32 = {33, 0, 1}, room62 = {64, 1, 1};
+    const m3_select_params rooms[3] = {m3, {33, 0, 1}, {64, 1, 1}};
     int llen[4] = {129 * PAGE + 5, 600 * PAGE, 1500 * PAGE + 77, 2047 * PAGE}, lql[4] = {1, 1, 1, 1};
     for (int spread = 0; spread < 2; spread++) {
         g_sel_spread = spread;
-        select_case(spread ? "long rows, spread" : "long rows, ties", &m3, 4, llen, lql, 2, 2048);
-        select_case(spread ? "long rows, spread" : "long rows, ties", &room32, 4, llen, lql, 2, 2048);
-        select_case(spread ? "long rows, spread" : "long rows, ties", &room62, 4, llen, lql, 2, 2048);
+        for (int r = 0; r < 3; r++)
+            select_case(spread ? "long rows, spread" : "long rows, ties", &rooms[r], 4, llen, lql,
+                        2, 2048);
     }
     g_sel_spread = false;
 }
