@@ -37,11 +37,29 @@ __device__ void finish(const MonoArgs &a, Ctl &ctl, bool post) {
     }
 }
 
-/* The item cursor: read the prefetched index and the fault word; false
- * when the item is past `total`. */
-__device__ __forceinline__ int next_item(const MonoArgs &a, Ctl &ctl, bool *faulted) {
+/* Thread 0: a reservation's item index; its fault bit joins the CTA's
+ * flag (sticky: the flag is never cleared within a launch). */
+__device__ __forceinline__ int reserved(Ctl &ctl, unsigned q) {
+    ctl.faulted |= (q & kQueueFault) != 0;
+    return (int)(q & ~kQueueFault);
+}
+
+/* Thread 0, in the prologue: the first reservation and the fault word. */
+__device__ __forceinline__ void reserve_first(const MonoArgs &a, Ctl &ctl, unsigned q) {
+    ctl.faulted = ld_vol(a.fault) != 0;
+    ctl.cur = reserved(ctl, q);
+}
+
+/* The item cursor: the index reserved during the previous item (or by
+ * the kernel's prologue) and the CTA's fault flag. The flag is the fault
+ * word as the prologue read it (a fault planted before the launch), or'ed
+ * with the cursor's fault bit of every reservation since (fault_set marks
+ * the cursor): so a fault set during the launch stops a CTA from the item
+ * after its next reservation, one item later than a load of the fault word
+ * at every item's start would, and without that load's round trip and
+ * barrier. Items check their own indices (pages, slots) either way. */
+__device__ __forceinline__ int next_item(Ctl &ctl, bool *faulted) {
     if (threadIdx.x == 0) {
-        ctl.faulted = ld_vol(a.fault) != 0;
         s_t_ready = 0;
 #ifdef M3_MONO_MARKS
         s_nmark = 0;
@@ -119,10 +137,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int n_norm = a.T + 1, n_proj = a.p_item0[5], n_idx = idx_items<NR>(a);
     const int total = n_norm + n_proj + n_idx;
     if (threadIdx.x == 0)
-        ctl.cur = (int)atomicAdd(&a.ctr[C_QUEUE], 1u);
+        reserve_first(a, ctl, atomicAdd(&a.ctr[C_QUEUE], 1u));
     for (;;) {
         bool faulted;
-        int cur = next_item(a, ctl, &faulted);
+        int cur = next_item(ctl, &faulted);
         if (cur >= total)
             break;
         unsigned nxt = 0;
@@ -140,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             kind = 2, idx_item_of<NR>(a, ctl, dsm, cur - n_proj, faulted);
         trace_item(a, 0, kind, item, t0);
         if (threadIdx.x == 0)
-            ctl.cur = (int)nxt;
+            ctl.cur = reserved(ctl, nxt);
     }
     finish(a, ctl, false);
 }
@@ -203,7 +221,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         ctl.step = 0;
         ctl.plan_nu = -1;
         const int own = own_item(a, 0, base_n2);
-        ctl.cur = own != kQueue ? own : q_item(a, (int)atomicAdd(&a.ctr[C_QUEUE], 1u), base_n2);
+        const unsigned q = own != kQueue ? 0u : atomicAdd(&a.ctr[C_QUEUE], 1u);
+        reserve_first(a, ctl, q);
+        if (own != kQueue)
+            ctl.cur = own;
+        else
+            ctl.cur = q_item(a, ctl.cur, base_n2);
         /* Landing tags (world > 1) from the count of earlier post launches,
          * which only the previous launch's last CTA changed: the same in
          * every CTA, the same on every rank (ranks run the same layer calls),
@@ -216,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
     for (;;) {
         bool faulted;
-        int cur = next_item(a, ctl, &faulted);
+        int cur = next_item(ctl, &faulted);
         int n_egu = 0, n_edn = 0;
         if (cur >= base_dyn) { /* the routed experts' items exist once the plan does */
             int nu = ctl.plan_nu; /* (read by every thread before the barriers below) */
@@ -301,7 +324,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         trace_item(a, 1, dry ? K_DRY : kind, item, t0);
         if (threadIdx.x == 0) {
             ctl.step++;
-            ctl.cur = own != kQueue ? own : q_item(a, (int)nxt, base_n2);
+            const int q = reserved(ctl, nxt); /* (nxt is 0 for an own item) */
+            ctl.cur = own != kQueue ? own : q_item(a, q, base_n2);
         }
     }
     finish(a, ctl, true);
