@@ -23,10 +23,12 @@
  *     even when not every CTA is resident (no cooperative launch needed);
  *   - a CTA that runs ahead starts on the next item instead of idling at
  *     a barrier; waits happen only where data is really missing.
- * Counters start at zero: the last CTA to leave a kernel (an exit counter)
- * zeroes them. Launches on one stream never overlap, so this holds for
- * eager launches and graph replays alike (nothing depends on host values
- * that change between replays).
+ * Counters start at zero: each kernel has its own and zeroes the other
+ * kernel's at its start (the pre kernel the post kernel's, and the other
+ * way round), when that kernel has ended and its next launch has not
+ * begun. Launches on one stream never overlap, so this holds for eager
+ * launches and graph replays alike (nothing depends on host values that
+ * change between replays).
  *
  *   pre  (launch 1): norm1 rows | the rows' RoPE factors (one item; the
  *        projections wait for it with norm1) | projection tiles (iq, ik,
@@ -376,8 +378,12 @@ static void lay_counters(m3_cuda_mono *m) {
     const int H = c->hidden_size, Ni = c->index_heads, Nkv = c->num_kv_heads;
     const int Is = c->shared_dim, R = kMaxT;
     int at = C_FIXED;
+    /* the pre kernel's */
     m->o_head = at, at += m->nheads;
     m->o_ptile = at, at += m->Ntot / kTile;
+    m->o_idxq = at, at += R + 1; /* and the rows whose runs are all taken */
+    /* the post kernel's */
+    m->o_post = at;
     m->o_sel = at, at += R * Ni;
     m->o_att = at, at += R * Nkv * m->mtiles;
     m->o_otile = at, at += H / kTile;
@@ -386,7 +392,6 @@ static void lay_counters(m3_cuda_mono *m) {
     m->o_shdn = at, at += H / kTile;
     m->o_egu = at, at += R * c->experts_per_tok;
     m->o_comb = at, at += H / kTile;
-    m->o_idxq = at, at += R + 1; /* and the rows whose runs are all taken */
     m->n_ctr = at;
 }
 

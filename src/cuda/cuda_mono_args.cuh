@@ -60,14 +60,19 @@ enum { V_F8 = 1, V_TP = 2 };
 constexpr unsigned kFull = 0xffffffffu;
 constexpr unsigned long long kPeerTimeoutNs = 5ull * 1000 * 1000 * 1000;
 
-/* counters (uint32, zeroed by the last CTA out of each kernel). Each fixed
- * counter has a 128-byte line of its own (kCtrLine words apart): the queue
- * cursor's atomics and the polls of hundreds of waiting CTAs on the others
- * must not contend for one L2 line. The per-group counters follow. */
+/* counters (uint32). Each kernel uses its own (the pre kernel's: C_QPRE,
+ * C_NORM1, C_IDX and [C_FIXED, o_post); the post kernel's: the other fixed
+ * ones and [o_post, n_ctr)) and zeroes the other kernel's at its start,
+ * when that kernel has ended and its next launch has not begun (zeroed by
+ * the last CTA out of each kernel, as until the twenty-sixth session, they
+ * were on every launch's tail). Each
+ * fixed counter has a 128-byte line of its own (kCtrLine words apart): the
+ * queue cursors' atomics and the polls of hundreds of waiting CTAs on the
+ * others must not contend for one L2 line. The per-group counters follow. */
 constexpr int kCtrLine = 32;
 enum {
-    C_QUEUE = 0 * kCtrLine,  /* work list cursor */
-    C_EXIT = 1 * kCtrLine,   /* CTAs done */
+    C_QPRE = 0 * kCtrLine,   /* the pre kernel's work list cursor */
+    C_QPOST = 1 * kCtrLine,  /* the post kernel's */
     C_NORM1 = 2 * kCtrLine,  /* norm1 rows done and the RoPE factors tabled (target T + 1) */
     C_IDX = 3 * kCtrLine,    /* index heads (iq heads + ik) normed and cached (target Ni + 1) */
     C_ATT = 4 * kCtrLine,    /* attention heads merged (target T * Nq) */
@@ -131,8 +136,8 @@ struct MonoArgs {
     float *eout, *sh_out;
     float *part_proj, *part_o, *part_rt, *part_shgu, *part_shdn;
     unsigned *ctr;
-    unsigned *calls; /* post launches so far (the landing tags; see mono_post_kernel) */
-    int n_ctr;
+    unsigned *calls; /* layer calls so far (the landing tags; see mono_post_kernel) */
+    int n_ctr, o_post; /* the post kernel's counters: [o_post, n_ctr) */
     int o_head, o_ptile, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb;
     int o_idxq; /* [kMaxT] index-score runs claimed per row, then a mask of the rows
                  * whose runs are all taken (M3_MONO_IDX_CLAIM) */

@@ -117,7 +117,7 @@ __device__ int attn_tile(const MonoArgs &a, const AttnCta &c, int i, int64_t *el
     int64_t page = c.rv.table[b];
     if (!page_ok(a, page)) {
         if (threadIdx.x == 0)
-            fault_set(a.fault, a.ctr, M3_MONO_FAULT_PAGE, a.layer, c.t, page);
+            fault_set(a.fault, a.ctr + C_QPOST, M3_MONO_FAULT_PAGE, a.layer, c.t, page);
         return -1;
     }
     *elem = ((page * a.Nkv + c.g) * M3_PAGE + half * kAttnKeys) * kHD;

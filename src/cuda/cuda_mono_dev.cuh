@@ -27,23 +27,23 @@ __device__ __forceinline__ void st_vol_v2(uint2 *p, uint2 v) {
                  : "memory");
 }
 
-/* The work list cursor's top bit: a fault was set during this launch
+/* A work list cursor's top bit: a fault was set during this launch
  * (fault_set). Every reservation returns it with the item's index, so the
  * item loops learn of a fault without a load of the fault word per item. */
 constexpr unsigned kQueueFault = 0x80000000u;
 
 /* The first fault wins; [1..3] are written after the code, before the step's
- * check kernel (a later launch) reads them; then the cursor (ctr[C_QUEUE])
- * is marked. Not inlined: a path that only runs on bad input, kept out of
- * the hot items' code. */
-__device__ __noinline__ void fault_set(int *f, unsigned *ctr, int code, int layer, int row,
+ * check kernel (a later launch) reads them; then the running kernel's
+ * cursor (`queue`) is marked. Not inlined: a path that only runs on bad
+ * input, kept out of the hot items' code. */
+__device__ __noinline__ void fault_set(int *f, unsigned *queue, int code, int layer, int row,
                                        long long value) {
     if (atomicCAS(f, 0, code) == 0) {
         f[1] = layer;
         f[2] = row;
         f[3] = value > INT_MAX ? INT_MAX : (value < INT_MIN ? INT_MIN : (int)value);
         __threadfence();
-        atomicOr(ctr + C_QUEUE, kQueueFault);
+        atomicOr(queue, kQueueFault);
     }
 }
 
@@ -175,7 +175,7 @@ __device__ float ll_read(const MonoArgs &a, const uint2 *p, uint32_t tag, int ro
         if (ld_vol(a.fault) != 0)
             return m3_qnan();
         if (gtimer() - t0 > kPeerTimeoutNs) {
-            fault_set(a.fault, a.ctr, M3_MONO_FAULT_PEER_WAIT, a.layer, row, src);
+            fault_set(a.fault, a.ctr + C_QPOST, M3_MONO_FAULT_PEER_WAIT, a.layer, row, src);
             return m3_qnan();
         }
     }

@@ -19,21 +19,34 @@ namespace { /* internal linkage: cuda_mono_kernels.cu and _tp.cu both compile it
 
 /* ================================================================ kernels */
 
-/* The last CTA out zeroes the counters for the next launch (and, after a
- * post launch, counts the call: the next call's landing tags). */
-__device__ void finish(const MonoArgs &a, Ctl &ctl, bool post) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        ctl.flag = atomicAdd(&a.ctr[C_EXIT], 1u) == gridDim.x - 1;
-        __threadfence();
-    }
-    __syncthreads();
-    if (ctl.flag) {
-        for (int i = threadIdx.x; i < a.n_ctr; i += kThreads)
-            a.ctr[i] = 0u;
-        if (post && threadIdx.x == 0)
+/* The other kernel's counters to zero, spread over the grid at the
+ * launch's start: the other kernel has ended (stream order) and its next
+ * launch begins after this one ends, which publishes the stores. (So no
+ * launch ends in a last CTA's zeroing loop.) The pre kernel also counts
+ * the layer call: the post kernel's landing tags. */
+__device__ __noinline__ void zero_other(const MonoArgs &a, bool post) {
+    const int i = blockIdx.x * kThreads + threadIdx.x, n = gridDim.x * kThreads;
+    if (post) { /* the pre kernel's */
+        if (i == 0) {
+            a.ctr[C_QPRE] = 0u;
+            a.ctr[C_NORM1] = 0u;
+            a.ctr[C_IDX] = 0u;
+        }
+        for (int j = C_FIXED + i; j < a.o_post; j += n)
+            a.ctr[j] = 0u;
+    } else {
+        if (i == 0) {
+            a.ctr[C_QPOST] = 0u;
+            a.ctr[C_ATT] = 0u;
+            a.ctr[C_OPROJ] = 0u;
+            a.ctr[C_NORM2] = 0u;
+            a.ctr[C_ROUTER] = 0u;
+            a.ctr[C_PLAN] = 0u;
+            a.ctr[C_SHGU] = 0u;
             *a.calls += 1u;
+        }
+        for (int j = a.o_post + i; j < a.n_ctr; j += n)
+            a.ctr[j] = 0u;
     }
 }
 
@@ -134,10 +147,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
     knobs_init(a);
+    zero_other(a, false);
     const int n_norm = a.T + 1, n_proj = a.p_item0[5], n_idx = idx_items<NR>(a);
     const int total = n_norm + n_proj + n_idx;
     if (threadIdx.x == 0)
-        reserve_first(a, ctl, atomicAdd(&a.ctr[C_QUEUE], 1u));
+        reserve_first(a, ctl, atomicAdd(&a.ctr[C_QPRE], 1u));
     for (;;) {
         bool faulted;
         int cur = next_item(ctl, &faulted);
@@ -145,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             break;
         unsigned nxt = 0;
         if (threadIdx.x == 0)
-            nxt = atomicAdd(&a.ctr[C_QUEUE], 1u); /* in flight during the item */
+            nxt = atomicAdd(&a.ctr[C_QPRE], 1u); /* in flight during the item */
         unsigned long long t0 = a.trace ? gtimer() : 0;
         int item = cur, kind;
         if (cur < a.T)
@@ -160,7 +174,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         if (threadIdx.x == 0)
             ctl.cur = reserved(ctl, nxt);
     }
-    finish(a, ctl, false);
 }
 
 /* M3_MONO_PIN: items outside the queue, run by CTAs 0..T-1 (codes
@@ -207,6 +220,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
     knobs_init(a);
+    zero_other(a, true);
     const int n_sel = a.T * a.Ni, n_att = a.T * a.Nkv * a.mtiles * a.S, n_mrg = a.T * a.Nq;
     const int n_o = (a.H / kTile) * a.s_o, n_n2 = a.T, n_rt = a.rt_tiles * a.s_rt;
     const int n_shgu = a.Is ? (a.Is / 4) * a.s_shgu : 0;
@@ -221,14 +235,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         ctl.step = 0;
         ctl.plan_nu = -1;
         const int own = own_item(a, 0, base_n2);
-        const unsigned q = own != kQueue ? 0u : atomicAdd(&a.ctr[C_QUEUE], 1u);
+        const unsigned q = own != kQueue ? 0u : atomicAdd(&a.ctr[C_QPOST], 1u);
         reserve_first(a, ctl, q);
         if (own != kQueue)
             ctl.cur = own;
         else
             ctl.cur = q_item(a, ctl.cur, base_n2);
-        /* Landing tags (world > 1) from the count of earlier post launches,
-         * which only the previous launch's last CTA changed: the same in
+        /* Landing tags (world > 1) from the count of layer calls, which
+         * only this call's pre kernel changed (zero_other): the same in
          * every CTA, the same on every rank (ranks run the same layer calls),
          * and new for every call, CUDA graph replays included (a kernel
          * parameter would be frozen in the graph). Odd / even, never the
@@ -302,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         if (threadIdx.x == 0) {
             own = own_item(a, ctl.step + 1, base_n2);
             if (own == kQueue)
-                nxt = atomicAdd(&a.ctr[C_QUEUE], 1u);
+                nxt = atomicAdd(&a.ctr[C_QPOST], 1u);
         }
         bool plan = false;
         switch (kind) {
@@ -328,7 +342,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             ctl.cur = own != kQueue ? own : q_item(a, q, base_n2);
         }
     }
-    finish(a, ctl, true);
 }
 
 /* ---------------------------------------------------------------- launches */

@@ -283,6 +283,7 @@ static void args_buffers(const m3_cuda_mono *m, const m3_step *st, const m3_cach
     a->ctr = m->ctr;
     a->calls = m->calls;
     a->n_ctr = m->n_ctr;
+    a->o_post = m->o_post;
     a->o_head = m->o_head;
     a->o_ptile = m->o_ptile;
     a->o_sel = m->o_sel;
@@ -341,5 +342,11 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
     args_shapes(m, st, layer, first, &a);
     M3_TRY(args_weights(m, lw, layer, &a));
     args_buffers(m, st, cl, hidden, residual, &a);
-    return launch_layer(m->cu->stream, m->P, m->smem, a);
+    m3_status s = launch_layer(m->cu->stream, m->P, m->smem, a);
+    /* Each kernel zeroes the other's counters (zero_other): after a pre
+     * launch whose post launch failed, its counters would stay dirty for the
+     * next call, so zero them all here (best effort: the error is returned). */
+    if (s)
+        (void)cudaMemsetAsync(m->ctr, 0, (size_t)m->n_ctr * sizeof *m->ctr, m->cu->stream);
+    return s;
 }

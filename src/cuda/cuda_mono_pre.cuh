@@ -91,7 +91,7 @@ __device__ void head_epilogue(const MonoArgs &a, unsigned char *dsm, int hh, boo
             continue; /* padded row: writes nothing */
         if (slot >= limit) {
             if (lane == 0)
-                fault_set(a.fault, a.ctr, M3_MONO_FAULT_SLOT, a.layer, t, slot);
+                fault_set(a.fault, a.ctr + C_QPRE, M3_MONO_FAULT_SLOT, a.layer, t, slot);
             continue;
         }
         int64_t page = slot / M3_PAGE, off = slot % M3_PAGE;
@@ -233,7 +233,7 @@ __device__ void idx_load(const MonoArgs &a, const RowView &rv, int t, int b, uns
     if (threadIdx.x == 0) {
         *s_count = ok ? count : -1;
         if (!ok)
-            fault_set(a.fault, a.ctr, M3_MONO_FAULT_PAGE, a.layer, t, page);
+            fault_set(a.fault, a.ctr + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, t, page);
     }
     if (ok)
         idx_copy_page(a, page, count, dst);
@@ -287,7 +287,7 @@ __device__ void idx_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
     float *out_row = a.scores + (int64_t)t * a.Ni * MB;
     if (rv.state == ROW_BAD) {
         if (threadIdx.x == 0 && j == 0)
-            fault_set(a.fault, a.ctr, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
+            fault_set(a.fault, a.ctr + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
         const int owned = j < MB ? (MB - 1 - j) / G + 1 : 0;
         for (int64_t k = threadIdx.x; k < (int64_t)owned * a.Ni; k += kThreads)
             out_row[(k % a.Ni) * MB + j + (k / a.Ni) * G] = m3_qnan();
@@ -383,7 +383,7 @@ __device__ IdxPage idx_next(const MonoArgs &a, int w, IdxGen &g) {
             const int64_t page = g.table[b];
             int count = (int)min((int64_t)M3_PAGE, g.kv_len - (int64_t)b * M3_PAGE);
             if (!page_ok(a, page)) {
-                fault_set(a.fault, a.ctr, M3_MONO_FAULT_PAGE, a.layer, g.t, page);
+                fault_set(a.fault, a.ctr + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, g.t, page);
                 count = -1;
             }
             return {g.t, b, count, page};
@@ -431,7 +431,7 @@ __device__ void idx_fill(const MonoArgs &a, int w) {
         const RowView rv = load_row(a, t);
         if (rv.state == ROW_BAD) {
             if (k == t * per_row)
-                fault_set(a.fault, a.ctr, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
+                fault_set(a.fault, a.ctr + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
             a.scores[k] = m3_qnan();
         } else if (rv.state == ROW_OK && b >= rv.nblocks) {
             a.scores[k] = -INFINITY;
