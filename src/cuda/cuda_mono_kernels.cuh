@@ -23,7 +23,9 @@ namespace { /* internal linkage: cuda_mono_kernels.cu and _tp.cu both compile it
  * launch's start: the other kernel has ended (stream order) and its next
  * launch begins after this one ends, which publishes the stores. (So no
  * launch ends in a last CTA's zeroing loop.) The pre kernel also counts
- * the layer call: the post kernel's landing tags. */
+ * the layer call: the post kernel's landing tags. Not inlined: inlined, its
+ * loop made the 1-row post kernel spill 36 bytes (ptxas) and the layer
+ * 1% slower than the call (docs/PERF.md, twenty-sixth session). */
 __device__ __noinline__ void zero_other(const MonoArgs &a, bool post) {
     const int i = blockIdx.x * kThreads + threadIdx.x, n = gridDim.x * kThreads;
     if (post) { /* the pre kernel's */
