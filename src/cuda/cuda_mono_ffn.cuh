@@ -80,8 +80,11 @@ __device__ void norm2_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
 
 /* ---------------------------------------------------------------- router, routing, plan */
 
+/* 8-column tiles per routed down item (see edn_item) */
+constexpr int kEdnSubMax = 8; /* a.edn_sub <= this (M3_MONO_EDN_SUB) */
+
 template <int V>
-__device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile);
+__device__ void combine_tiles(const MonoArgs &a, const Ctl &ctl, int tile0, int mask);
 
 /* Where the routing plan reads its logits and writes its outputs: the
  * step's buffers, or (dry) scratch that nothing reads. */
@@ -218,8 +221,8 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, 
     __syncthreads();
     /* nothing will arrive at the combine counters: combine here (zeros) */
     if (ctl.nu == 0 && a.Is == 0)
-        for (int tile = 0; tile < a.H / kTile; tile++)
-            combine_tile<V>(a, ctl, tile);
+        for (int tile = 0; tile < a.H / kTile; tile += kEdnSubMax)
+            combine_tiles<V>(a, ctl, tile, (1 << min(kEdnSubMax, a.H / kTile - tile)) - 1);
 }
 
 /* Ask L2 for router item `item`'s weights when the item is taken, before
@@ -304,17 +307,23 @@ __device__ void down_walk(const WRow &W, int64_t N, int K, const uint16_t *xs, u
     }
 }
 
-/* 8-column tiles per routed down item (see edn_item) */
-constexpr int kEdnSubMax = 8; /* a.edn_sub <= this (M3_MONO_EDN_SUB) */
-
-/* y for columns [tile * 8, tile * 8 + 8) of every row: world 1 rounds the
- * expert and shared outputs (SPEC rounding points) and y once; world > 1
- * pushes the rank's unrounded partial. */
+/* y for columns [tile * 8, tile * 8 + 8) of every row, for the tiles
+ * tile0 + j (j < kEdnSubMax) with bit j of mask: world 1 rounds the expert
+ * and shared outputs (SPEC rounding points) and y once; world > 1 pushes
+ * the rank's unrounded partial. The tiles in one pass over the CTA's
+ * threads (index: row, tile slot, column; no divisions): at 1-4 rows a
+ * tile is 8-32 outputs, and a loop over the tiles paid a round of
+ * dependent loads per tile (-1.3 to -3.6% at 1-4 rows: docs/PERF.md,
+ * twenty-seventh session). */
 template <int V>
-__device__ void combine_tile(const MonoArgs &a, const Ctl &ctl, int tile) {
+__device__ void combine_tiles(const MonoArgs &a, const Ctl &ctl, int tile0, int mask) {
+    static_assert(kTile == 8 && kEdnSubMax == 8, "the index's shifts");
     constexpr bool TP = (V & V_TP) != 0;
-    for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
-        int t = i / kTile, n = tile * kTile + i % kTile;
+    for (int i = threadIdx.x; i < 64 * a.T; i += kThreads) {
+        const int j = i >> 3 & 7;
+        if (!(mask >> j & 1))
+            continue;
+        int t = i >> 6, n = (tile0 + j) * kTile + (i & 7);
         float acc = 0.0f;
         const float sv = a.Is ? __ldcg(a.sh_out + (size_t)t * a.H + n) : 0.0f;
         if (a.slots[t] >= 0) {
@@ -377,10 +386,8 @@ __device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, 
     __syncthreads();
     mark(); /* arrived at the combine counters */
     const int mask = ctl.flag;
-    if (!faulted)
-        for (int j = 0; j < n; j++)
-            if (mask & (1 << j))
-                combine_tile<V>(a, ctl, tile0 + j);
+    if (!faulted && mask)
+        combine_tiles<V>(a, ctl, tile0, mask);
 }
 
 template <int NR, int V>
