@@ -63,12 +63,12 @@ constexpr unsigned long long kPeerTimeoutNs = 5ull * 1000 * 1000 * 1000;
 /* counters (uint32). Each kernel uses its own (the pre kernel's: C_QPRE,
  * C_NORM1, C_IDX and [C_FIXED, o_post); the post kernel's: the other fixed
  * ones and [o_post, n_ctr)) and zeroes the other kernel's at its start,
- * when that kernel has ended and its next launch has not begun (zeroed by
- * the last CTA out of each kernel, as until the twenty-sixth session, they
- * were on every launch's tail). Each
- * fixed counter has a 128-byte line of its own (kCtrLine words apart): the
- * queue cursors' atomics and the polls of hundreds of waiting CTAs on the
- * others must not contend for one L2 line. The per-group counters follow. */
+ * when that kernel has ended and its next launch has not begun (until the
+ * twenty-sixth session the last CTA out of each launch zeroed them all, on
+ * the launch's tail). Each fixed counter has a 128-byte line of its own
+ * (kCtrLine words apart): the queue cursors' atomics and the polls of
+ * hundreds of waiting CTAs on the others must not contend for one L2 line.
+ * The per-group counters follow. */
 constexpr int kCtrLine = 32;
 enum {
     C_QPRE = 0 * kCtrLine,   /* the pre kernel's work list cursor */
