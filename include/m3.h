@@ -159,9 +159,8 @@ typedef enum m3_device { M3_DEVICE_CPU = 0, M3_DEVICE_CUDA = 1 } m3_device;
  * when the model or deployment is unsupported; or auto: mono where the plan
  * allows, stock otherwise (the reason printed once when mono is refused).
  * DEFAULT is auto where the mono executor has been measured faster than the
- * stock path: on the CPU, and on one GPU for steps of up to two rows
- * (mono_max_rows 2 unless set; from 4 rows the stock kernels are as fast or
- * faster on an unsharded layer); stock on CUDA at tp > 1 (docs/PERF.md). */
+ * stock path: on the CPU, and on one GPU for steps of up to four rows
+ * (mono_max_rows 4 unless set); stock on CUDA at tp > 1 (docs/PERF.md). */
 typedef enum m3_decode_path {
     M3_DECODE_DEFAULT = 0,
     M3_DECODE_AUTO,

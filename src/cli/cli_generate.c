@@ -50,7 +50,7 @@ static void gen_usage(FILE *f) {
             "                     off by default)\n"
             "  --decode P         stock (op by op), mono (fused layers for decode steps) or\n"
             "                     auto (mono where its plan allows); default: auto on the\n"
-            "                     cpu; on cuda auto for steps of up to 2 rows at --tp 1\n"
+            "                     cpu; on cuda auto for steps of up to 4 rows at --tp 1\n"
             "                     (where the fused kernels are faster), else stock\n");
 }
 

@@ -352,15 +352,16 @@ const char *m3_engine_mono_refusal(const m3_engine *e) { return e->mono_refused;
 void m3_engine_resolve_decode(m3_engine_opts *o) {
     if (o->decode != M3_DECODE_DEFAULT) /* see m3_decode_path */
         return;
-    /* CUDA: the fused kernels beat the stock path at 1-2 rows on one GPU,
-     * on a TP-4 rank's shapes and on unsharded ones; from 4 rows they are
-     * 2-4% behind it on an unsharded layer (docs/PERF.md, twenty-second
-     * session), so there the default fuses steps of up to 2 rows */
+    /* CUDA: the fused kernels beat the stock path at 1-4 rows on one GPU,
+     * on a TP-4 rank's shapes (6-27%) and on unsharded ones (2-4%;
+     * docs/PERF.md, twenty-seventh session), so there the default fuses
+     * steps of up to 4 rows (8-16 rows were ahead too, by less, and were
+     * not measured at every width: left stock) */
     bool cuda = o->device == M3_DEVICE_CUDA;
     int tp = o->tp ? o->tp : 1;
     o->decode = cuda && tp > 1 ? M3_DECODE_STOCK : M3_DECODE_AUTO;
     if (cuda && tp == 1 && o->mono_max_rows == 0)
-        o->mono_max_rows = 2;
+        o->mono_max_rows = 4;
 }
 
 m3_status m3_engine_create(m3_model *model, const m3_engine_opts *opts, m3_engine **out) {

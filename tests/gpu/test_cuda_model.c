@@ -45,12 +45,11 @@
  *       the prefills between the decode steps are eager steps run after
  *       graphs were captured.
  *   (e) the default decode path (stock pass only): one GPU's default engine
- *       fuses steps of up to 2 rows (8 greedy tokens: 7 mono steps, or
- *       hd64's refusal with its reason), then (d) on it with 2 sequences
- *       (mono alone and together: every decode step mono, counted) and
- *       with 3 and 5, alone (mono) against
- *       together (stock): a median row within 2e-2, rows beyond it a
- *       warning.
+ *       fuses steps of up to 4 rows (8 greedy tokens: 7 mono steps, or
+ *       hd64's refusal with its reason), then (d) on it with 2, 3 and 4
+ *       sequences (mono alone and together: every decode step mono,
+ *       counted) and with 5, alone (mono) against together (stock): a
+ *       median row within 2e-2, rows beyond it a warning.
  *
  * One line per check as it completes, then a summary table; exit 1 on a
  * failure (warnings do not fail). M3_TEST_PRESET=tiny|small|odd|hd64 runs
@@ -756,13 +755,12 @@ static void teardown(ctx *c) {
         gpu_remove_dir(c->dir);
 }
 
-/* The default decode path on one GPU (m3.h): auto with steps of up to 2
+/* The default decode path on one GPU (m3.h): auto with steps of up to 4
  * rows fused. A greedy run's decode steps (one row each) are mono steps
  * where the model allows mono; where it does not (hd64) they are stock
  * steps and the refusal's reason is kept. Then (d) on that engine:
- * sequences decoded alone (1-row steps, mono) against together (2 rows,
- * mono; 3 and 5 rows, stock), the two kinds of graph bucket in one
- * engine. */
+ * sequences decoded alone (1-row steps, mono) against together (2-4 rows,
+ * mono; 5 rows, stock), the two kinds of graph bucket in one engine. */
 static void default_path_case(ctx *c) {
     const char *t = "default path, one GPU";
     char label[20];
@@ -784,18 +782,21 @@ static void default_path_case(ctx *c) {
                "%lld mono steps, %lld stock steps%s%.50s", (long long)s.mono_steps,
                (long long)s.stock_steps, fused ? "" : "; refused: ", why);
         c->gpu = e;
-        /* 2 sequences: 2 x BATCH_STEPS 1-row steps alone, BATCH_STEPS
-         * 2-row steps together, every one of them mono where fused (the
-         * prefills are stock); 2-row steps run stock would leave
-         * 2 x BATCH_STEPS */
-        const long long mono0 = m3_engine_get_stats(e).mono_steps;
-        concurrency_case(c, 2, false);
-        const long long d_mono = m3_engine_get_stats(e).mono_steps - mono0;
-        const bool pass2 = fused ? d_mono == 3 * BATCH_STEPS : d_mono == 0;
-        record(c, "default path, 2-row steps", fused ? "2-row mono" : "refused",
-               pass2 ? "PASS" : "FAIL", "%lld mono steps in (d) with 2 sequences (%d expected)",
-               d_mono, fused ? 3 * BATCH_STEPS : 0);
-        concurrency_case(c, 3, true);
+        /* n sequences: n x BATCH_STEPS 1-row steps alone, BATCH_STEPS
+         * n-row steps together, every one of them mono where fused (the
+         * prefills are stock); n-row steps run stock would leave
+         * n x BATCH_STEPS */
+        for (int n = 2; n <= 4; n++) {
+            const long long mono0 = m3_engine_get_stats(e).mono_steps;
+            concurrency_case(c, n, false);
+            const long long d_mono = m3_engine_get_stats(e).mono_steps - mono0;
+            const long long want = fused ? (long long)(n + 1) * BATCH_STEPS : 0;
+            char what[40], expect[16];
+            snprintf(what, sizeof what, "default path, %d-row steps", n);
+            snprintf(expect, sizeof expect, "%d-row mono", n);
+            record(c, what, fused ? expect : "refused", d_mono == want ? "PASS" : "FAIL",
+                   "%lld mono steps in (d) with %d sequences (%lld expected)", d_mono, n, want);
+        }
         concurrency_case(c, 5, true);
         c->gpu = saved_gpu;
     }

@@ -416,7 +416,7 @@ out:
 }
 
 /* What M3_DECODE_DEFAULT stands for (m3.h): auto on the CPU; on one GPU
- * auto fusing steps of up to 2 rows (a mono_max_rows given is kept); stock on GPUs at
+ * auto fusing steps of up to 4 rows (a mono_max_rows given is kept); stock on GPUs at
  * tp > 1; any other path as given. */
 static void test_default_path(void) {
     struct {
@@ -427,9 +427,9 @@ static void test_default_path(void) {
     } cases[] = {
         {M3_DEVICE_CPU, 1, 0, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 0},
         {M3_DEVICE_CPU, 4, 0, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 0},
-        {M3_DEVICE_CUDA, 0, 0, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 2},
-        {M3_DEVICE_CUDA, 1, 0, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 2},
-        {M3_DEVICE_CUDA, 1, 4, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 4},
+        {M3_DEVICE_CUDA, 0, 0, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 4},
+        {M3_DEVICE_CUDA, 1, 0, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 4},
+        {M3_DEVICE_CUDA, 1, 2, M3_DECODE_DEFAULT, M3_DECODE_AUTO, 2},
         {M3_DEVICE_CUDA, 2, 0, M3_DECODE_DEFAULT, M3_DECODE_STOCK, 0},
         {M3_DEVICE_CUDA, 1, 0, M3_DECODE_AUTO, M3_DECODE_AUTO, 0},
         {M3_DEVICE_CUDA, 1, 0, M3_DECODE_MONO, M3_DECODE_MONO, 0},
