@@ -52,9 +52,8 @@
  *        in the queue: CTA t runs row t's norm2 and CTA 0 the plan, each
  *        after a dry run of the same code on scratch while they would wait
  *        anyway (the code on the chain is fetched once per launch, cold;
- *        run dry first it is cached: M3_MONO_PIN), and at up to 4 rows a
- *        quarter of the shared down items are queued before the routed
- *        experts, the rest after their gate/up (M3_MONO_SHDN_EARLY).
+ *        run dry first it is cached: M3_MONO_PIN); the shared down items
+ *        are queued before the routed experts' (M3_MONO_SHDN_EARLY).
  *
  * GEMV tiles: 8 output rows (2 per warp) over K, the rows' activations
  * staged in shared memory 1024 columns at a time (cp.async); weights
@@ -65,8 +64,9 @@
  * item's weights when it starts, before it waits on its inputs, was
  * measured and removed: the prefetches issued when a kernel starts delayed
  * the chain's first loads more than they saved, docs/PERF.md; the router's
- * 3 MB of fp32 rows are still asked for.) Routed down items cover four
- * 8-column tiles of one expert (eight above 2 rows), shared down items as
+ * 3 MB of fp32 rows are still asked for.) Routed down items cover five
+ * 8-column tiles of one expert at one row, six at 2, eight above, shared
+ * down items as
  * many tiles of the shared expert; where the width fits one chunk and the
  * weights are bf16, these walk their tiles with the next two tiles'
  * weights in a shared-memory ring (cp.async; a second register buffer
@@ -277,14 +277,15 @@ static void read_knobs(m3_cuda_mono *m) {
      * most CTAs only wait: its down items are queued before the routed
      * experts' items (they wait only for the shared gate/up), not after
      * them. M3_MONO_SHDN_EARLY=p queues p% of them there and the rest after
-     * the routed gate/up items (-1, the default: 25% at up to 4 rows, where
-     * the plan now ends before the shared down items do, else 100%;
-     * docs/PERF.md, thirteenth and fifteenth sessions). */
+     * the routed gate/up items (-1, the default: 100%; 25% at up to 4 rows
+     * from the fifteenth session to the twenty-seventh, 0.4-1.8% slower
+     * than 100% on the kernels of the twenty-seventh: docs/PERF.md,
+     * twenty-eighth session). */
     m->shdn_early = env_int("M3_MONO_SHDN_EARLY", -1, 0, 100);
     /* M3_MONO_EDN_SUB=n: 8-column tiles per routed down item (0, the
-     * default: 8 above 2 rows, else 4; fewer, larger items pay from 4 rows
-     * (-1.5% at 4, -3% at 8: twenty-second session), not at 1-2 (+4.5% at
-     * one row) */
+     * default: 8 above 2 rows, 6 at 2, 5 at one; fewer, larger items pay
+     * from 4 rows (-1.5% at 4, -3% at 8: twenty-second session); 5 and 6
+     * against 4 at 1-2 rows: -1.5% / -2%, twenty-eighth session) */
     m->edn_sub = env_int("M3_MONO_EDN_SUB", 0, 0, 8);
     /* M3_MONO_SHDN_SUB=n: 8-column tiles per shared down item, walked with
      * the routed down's weight ring (0, the default: as the routed down
