@@ -504,17 +504,20 @@ __device__ __forceinline__ void ring_wait(int behind) {
         cp_async_wait<0>();
 }
 
-/* gemv_rows over all K for bf16 weights (no split, no input wait), with the
+/* gemv_rows over all K for bf16 weights (no split), with the
  * weights in a ring of SLOTS chunks in shared memory, SLOTS - 1 chunks
  * ahead, and the next chunk's activations in registers while this one's
  * products run: gemv_kloop has one chunk's weights in flight per warp and
  * stages each chunk's activations after its weights are asked for, so every
  * chunk is a DRAM round trip (the routed gate/up items, 6 chunks of 16 KB,
  * ran at 2.1-3.0 TB/s: twenty-first session's trace). The same products in
- * the same order: the same bits. Every thread of the CTA calls it. */
+ * the same order: the same bits. Every thread of the CTA calls it. wait_c
+ * (optional): the activations' counter, waited for at wait_n once the
+ * ring's first chunks are asked for (as gemv_rows). */
 template <int NR>
 __device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int64_t N, int K,
-                          const uint16_t *const *rowp, int rows, uint16_t *xs, uint4 *ring) {
+                          const uint16_t *const *rowp, int rows, uint16_t *xs, uint4 *ring,
+                          const unsigned *wait_c = nullptr, unsigned wait_n = 0) {
     static_assert(kKC / 8 == kThreads, "a chunk's row is one 16-byte piece per thread");
     constexpr int SLOTS = walk_slots<NR>();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -523,6 +526,8 @@ __device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
     acc_zero<NR>(acc);
     for (int j = 0; j < SLOTS - 1 && j < nch; j++)
         ring_issue(mine + j * kWalkSlotU4, W, n0, N, j * kKC, min(kKC, K - j * kKC), lane);
+    if (wait_c)
+        wait_count(wait_c, wait_n);
     __syncthreads(); /* rowp published */
     /* this thread's piece (8 columns) of each row of a chunk */
     const int col = threadIdx.x * 8;
