@@ -66,8 +66,8 @@
  * the chain's first loads more than they saved, docs/PERF.md; the router's
  * 3 MB of fp32 rows are still asked for.) Routed down items cover five
  * 8-column tiles of one expert at one row, six at 2, eight above, shared
- * down items as
- * many tiles of the shared expert; where the width fits one chunk and the
+ * down items as many tiles of the shared expert; where the width fits one
+ * chunk and the
  * weights are bf16, these walk their tiles with the next two tiles'
  * weights in a shared-memory ring (cp.async; a second register buffer
  * spills), and the routed gate/up items from 4-row groups and, in the
