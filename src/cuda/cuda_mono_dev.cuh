@@ -591,6 +591,7 @@ __device__ void gemv_rows_f32(float (&acc)[kRW][NR], const float *w, int64_t n0,
         __syncthreads();
         stage_x<NR>(xs, rowp, rows, kc, kn);
         __syncthreads();
+        mark_chunk(); /* the chunk's activations staged */
         /* each row's four activations read once (one 8-byte shared load,
          * converted once) for both weight rows; every acc[r][t] still sums
          * its terms in the same order */

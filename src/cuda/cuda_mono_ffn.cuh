@@ -248,7 +248,10 @@ __device__ bool router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int
     float acc[kRW][NR];
     gemv_rows_f32<NR>(acc, a.router, tile * kTile + warp * kRW, a.E, a.H, k0, k1, ctl.rowp, a.T,
                       reinterpret_cast<uint16_t *>(dsm), faulted);
-    if (!split_reduce<NR>(acc, a.s_rt, slice, tile, a.part_rt, a.ctr + a.o_rtile, ctl))
+    mark(); /* the slice's products summed (warp sums) */
+    const bool last = split_reduce<NR>(acc, a.s_rt, slice, tile, a.part_rt, a.ctr + a.o_rtile, ctl);
+    mark(); /* the partial written and arrived (the last arriver: summed) */
+    if (!last)
         return false;
     for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
         int r = i / a.T, t = i % a.T, e = tile * kTile + r;
