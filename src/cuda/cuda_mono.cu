@@ -67,10 +67,9 @@
  * 3 MB of fp32 rows are still asked for.) Routed down items cover five
  * 8-column tiles of one expert at one row, six at 2, eight above, shared
  * down items as many tiles of the shared expert; where the width fits one
- * chunk and the
- * weights are bf16, these walk their tiles with the next two tiles'
- * weights in a shared-memory ring (cp.async; a second register buffer
- * spills), and the routed gate/up items from 4-row groups and, in the
+ * chunk and the weights are bf16, these walk their tiles with the next two
+ * tiles' weights in a shared-memory ring (cp.async; a second register
+ * buffer spills), and the routed gate/up items from 4-row groups and, in the
  * 3-4-row pre kernel, the unsplit bf16 projections (q, k, v) stream their
  * chunks through the same ring (down_walk, gemv_ring); at 2 rows (world
  * 1, bf16) a routed gate/up item covers three 4-neuron tiles, every chunk
