@@ -352,11 +352,22 @@ __device__ __forceinline__ void piece_fma(float (&acc)[kRW][NR], const WBuf<FP8>
 #define M3_MONO_ROLL_NR 8
 #endif
 constexpr int kRollNR = M3_MONO_ROLL_NR;
+/* Row counts from which the chain's GEMVs (every item but the routed
+ * experts': projections, o_proj, the shared expert) roll their pieces too.
+ * A chain item runs once per layer on its SM, so its products' code is
+ * fetched cold on the step's critical path (at 4 rows o_proj's first
+ * chunk's products took 2.3 us, later chunks 0.9: twenty-eighth session's
+ * marks); the routed items run many times an SM and stay unrolled. */
+#ifndef M3_MONO_ROLL_CHAIN_NR
+#define M3_MONO_ROLL_CHAIN_NR 4
+#endif
+constexpr int kRollChainNR = M3_MONO_ROLL_CHAIN_NR;
 
-template <int NR, bool FP8>
+/* ROUTED: a routed expert's item (rolled only from kRollNR rows) */
+template <int NR, bool FP8, bool ROUTED = false>
 __device__ __forceinline__ void chunk_fma(float (&acc)[kRW][NR], const WBuf<FP8> &b, int kn,
                                           const uint16_t *xs, int lane, int rows) {
-    if constexpr (NR >= kRollNR) {
+    if constexpr (NR >= kRollNR || (!ROUTED && NR >= kRollChainNR)) {
         /* one piece's code, the next piece's weights moved into place 0
          * after each: the same products in the same order */
         WBuf<FP8> w = b;
@@ -407,7 +418,7 @@ __device__ __forceinline__ void acc_warp_sums(float (&acc)[kRW][NR], int rows) {
                 acc[r][t] = m3_warp_sum(acc[r][t]);
 }
 
-template <int NR, bool FP8>
+template <int NR, bool FP8, bool ROUTED>
 __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W, int64_t n0,
                                            int64_t N, int k0, int k1,
                                            const uint16_t *const *rowp, int rows, uint16_t *xs,
@@ -423,7 +434,7 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
         __syncthreads();
         mark_chunk(); /* the chunk's activations staged */
         if (n0 < N)
-            chunk_fma<NR, FP8>(acc, b, kn, xs, lane, rows);
+            chunk_fma<NR, FP8, ROUTED>(acc, b, kn, xs, lane, rows);
         mark_chunk(); /* warp 0's products of the chunk done (thread 0's time) */
     }
 }
@@ -434,7 +445,7 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
  * skip (CTA-uniform): zeros, nothing read. wait_c (optional): the
  * activations' counter, waited for at wait_n after the first chunk's weight
  * loads are issued (the loads do not depend on it). */
-template <int NR, int V>
+template <int NR, int V, bool ROUTED = false>
 __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int64_t N, int k0,
                           int k1, const uint16_t *const *rowp, int rows, uint16_t *xs,
                           bool skip, const unsigned *wait_c = nullptr, unsigned wait_n = 0) {
@@ -446,9 +457,11 @@ __device__ void gemv_rows(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
         return;
     }
     if ((V & V_F8) && W.fp8)
-        gemv_kloop<NR, true>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane, wait_c, wait_n);
+        gemv_kloop<NR, true, ROUTED>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane, wait_c,
+                                     wait_n);
     else
-        gemv_kloop<NR, false>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane, wait_c, wait_n);
+        gemv_kloop<NR, false, ROUTED>(acc, W, n0, N, k0, k1, rowp, rows, xs, lane, wait_c,
+                                      wait_n);
     acc_warp_sums<NR>(acc, rows);
 }
 
@@ -514,7 +527,7 @@ __device__ __forceinline__ void ring_wait(int behind) {
  * the same order: the same bits. Every thread of the CTA calls it. wait_c
  * (optional): the activations' counter, waited for at wait_n once the
  * ring's first chunks are asked for (as gemv_rows). */
-template <int NR>
+template <int NR, bool ROUTED = false>
 __device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int64_t N, int K,
                           const uint16_t *const *rowp, int rows, uint16_t *xs, uint4 *ring,
                           const unsigned *wait_c = nullptr, unsigned wait_n = 0) {
@@ -557,7 +570,7 @@ __device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
         mark(); /* the chunk's activations staged */
         const WBuf<false> cur = ring_read(mine + (c % SLOTS) * kWalkSlotU4);
         if (n0 < N)
-            chunk_fma<NR, false>(acc, cur, kn, xs, lane, rows);
+            chunk_fma<NR, false, ROUTED>(acc, cur, kn, xs, lane, rows);
         mark(); /* warp 0's products of the chunk done (thread 0's time) */
     }
     acc_warp_sums<NR>(acc, rows);

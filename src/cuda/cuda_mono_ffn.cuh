@@ -22,10 +22,25 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     const int warp = threadIdx.x >> 5;
     float acc[kRW][NR];
     /* attention waited for inside, once the first chunk's weights are asked
-     * for (not in the item loop: post_dep) */
-    gemv_rows<NR, V>(acc, wrow_of(a.wo), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp, a.T,
-                     reinterpret_cast<uint16_t *>(dsm), faulted, &a.ctr[C_ATT],
-                     (unsigned)(a.T * a.Nq));
+     * for (not in the item loop: post_dep). At 3-4 rows an unsplit bf16
+     * o_proj streams through the weight ring, its next chunk asked for
+     * before the wait: gemv_rows asks for a chunk only after the last one's
+     * products, and the first wave's second chunk landed 5 us after its
+     * first (twenty-eighth session's marks; -0.2 to -0.5% alone, with the
+     * chain's rolled pieces -0.6 / -1.5% at 4K / 128K: twenty-ninth). */
+    bool ring = false;
+    if constexpr (NR == 4) {
+        ring = !faulted && k0 == 0 && k1 == KQ && !((V & V_F8) && a.wo.fp8);
+        if (ring)
+            gemv_ring<NR>(acc, wrow_of(a.wo), tile * kTile + warp * kRW, a.H, KQ, ctl.rowp, a.T,
+                          reinterpret_cast<uint16_t *>(dsm),
+                          reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<NR>()), &a.ctr[C_ATT],
+                          (unsigned)(a.T * a.Nq));
+    }
+    if (!ring)
+        gemv_rows<NR, V>(acc, wrow_of(a.wo), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp,
+                         a.T, reinterpret_cast<uint16_t *>(dsm), faulted, &a.ctr[C_ATT],
+                         (unsigned)(a.T * a.Nq));
     mark(); /* the slice's products summed (warp sums) */
     const bool last = split_reduce<NR>(acc, a.s_o, slice, tile, a.part_o, a.ctr + a.o_otile, ctl);
     mark(); /* the partial written and arrived (the last arriver: summed) */
@@ -275,7 +290,7 @@ __device__ bool router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int
  * itself, so its own cp.async wait orders them. Each output is the same
  * warp's sum of the same products in the same order as gemv_rows over one
  * chunk: the same bits. */
-template <int NR, typename Out>
+template <int NR, bool ROUTED, typename Out>
 __device__ void down_walk(const WRow &W, int64_t N, int K, const uint16_t *xs, uint4 *ring,
                           int tile0, int ntile, int rows, Out out) {
     constexpr int SLOTS = walk_slots<NR>();
@@ -296,7 +311,7 @@ __device__ void down_walk(const WRow &W, int64_t N, int K, const uint16_t *xs, u
         const WBuf<false> cur = ring_read(mine + (j % SLOTS) * kWalkSlotU4);
         float acc[kRW][NR];
         acc_zero<NR>(acc);
-        chunk_fma<NR, false>(acc, cur, K, xs, lane, rows);
+        chunk_fma<NR, false, ROUTED>(acc, cur, K, xs, lane, rows);
         const int64_t n0 = (int64_t)(tile0 + j) * kTile + warp * kRW;
 #pragma unroll
         for (int r = 0; r < kRW; r++)
@@ -441,11 +456,11 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
             __syncthreads(); /* rowp published */
             stage_x<NR>(xs, ctl.rowp, a.T, 0, a.Is);
             __syncthreads();
-            down_walk<NR>(wrow_of(a.shd), a.H, a.Is, xs,
-                          reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<NR>()), tile0, ntile,
-                          a.T, [&](int t, int64_t n, float v) {
-                              a.sh_out[(size_t)t * a.H + n] = v;
-                          });
+            down_walk<NR, false>(wrow_of(a.shd), a.H, a.Is, xs,
+                                 reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<NR>()), tile0,
+                                 ntile, a.T, [&](int t, int64_t n, float v) {
+                                     a.sh_out[(size_t)t * a.H + n] = v;
+                                 });
         }
         combine_arrive_n<V>(a, ctl, tile0, ntile, faulted);
         return;
@@ -524,7 +539,8 @@ __device__ void gu_walk(const WRow &W, int64_t N, int K, const uint16_t *const *
         ring_wait(min(total - 1 - j, slots - 1));
         const int c = j % nch;
         const WBuf<false> cur = ring_read(mine + (j % slots) * kWalkSlotU4);
-        chunk_fma<NR, false>(acc, cur, min(kKC, K - c * kKC), xs + c * NR * kKC, lane, rows);
+        chunk_fma<NR, false, true>(acc, cur, min(kKC, K - c * kKC), xs + c * NR * kKC, lane,
+                                   rows);
         if (c == nch - 1) {
             acc_warp_sums<NR>(acc, rows);
             fin(j / nch, acc);
@@ -612,13 +628,13 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
             if constexpr (ENR >= 4) {
                 ring = !((V & V_F8) && W.fp8);
                 if (ring)
-                    gemv_ring<ENR>(acc, W, n0, a.I, a.H, ctl.rowp, rows,
-                                   reinterpret_cast<uint16_t *>(dsm),
-                                   reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<ENR>()));
+                    gemv_ring<ENR, true>(acc, W, n0, a.I, a.H, ctl.rowp, rows,
+                                         reinterpret_cast<uint16_t *>(dsm),
+                                         reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<ENR>()));
             }
             if (!ring)
-                gemv_rows<ENR, V>(acc, W, n0, a.I, 0, a.H, ctl.rowp, rows,
-                                  reinterpret_cast<uint16_t *>(dsm), false);
+                gemv_rows<ENR, V, true>(acc, W, n0, a.I, 0, a.H, ctl.rowp, rows,
+                                        reinterpret_cast<uint16_t *>(dsm), false);
             acc_to_fin<ENR>(acc, ctl);
             egu_tile_out(a, ctl, tile, rows);
             __syncthreads(); /* mem / rowp / fin are rewritten by the next group */
@@ -666,10 +682,10 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
                 __syncthreads();
                 stage_x<ENR>(xs, ctl.rowp, rows, 0, a.I);
                 __syncthreads();
-                down_walk<ENR>(W, a.H, a.I, xs, ring, tile0, ntile, rows,
-                               [&](int t, int64_t n, float v) {
-                                   a.eout[(size_t)ctl.mem[t] * a.H + n] = v;
-                               });
+                down_walk<ENR, true>(W, a.H, a.I, xs, ring, tile0, ntile, rows,
+                                     [&](int t, int64_t n, float v) {
+                                         a.eout[(size_t)ctl.mem[t] * a.H + n] = v;
+                                     });
             }
         }
         mark(); /* the tiles' outputs written */
@@ -689,8 +705,8 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
                     ctl.rowp[threadIdx.x] = a.act + (size_t)m * a.I;
                 }
                 float acc[kRW][ENR];
-                gemv_rows<ENR, V>(acc, W, n0, a.H, 0, a.I, ctl.rowp, rows,
-                               reinterpret_cast<uint16_t *>(dsm), false);
+                gemv_rows<ENR, V, true>(acc, W, n0, a.H, 0, a.I, ctl.rowp, rows,
+                                        reinterpret_cast<uint16_t *>(dsm), false);
                 acc_to_fin<ENR>(acc, ctl);
                 for (int i = threadIdx.x; i < kTile * rows; i += kThreads) {
                     int r = i / rows, t = i % rows;
