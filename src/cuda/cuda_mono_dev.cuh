@@ -357,7 +357,10 @@ constexpr int kRollNR = M3_MONO_ROLL_NR;
  * A chain item runs once per layer on its SM, so its products' code is
  * fetched cold on the step's critical path (at 4 rows o_proj's first
  * chunk's products took 2.3 us, later chunks 0.9: twenty-eighth session's
- * marks); the routed items run many times an SM and stay unrolled. */
+ * marks); the routed items run many times an SM and stay unrolled (rolled
+ * too, they made 8-16 rows 2.5-3.6% slower: fourteenth session). From 4:
+ * -0.5 / -0.7% at 4 rows, 4K / 128K; from 2: +0.8% at 2 rows (docs/PERF.md,
+ * twenty-ninth session). */
 #ifndef M3_MONO_ROLL_CHAIN_NR
 #define M3_MONO_ROLL_CHAIN_NR 4
 #endif
