@@ -579,6 +579,31 @@ __device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
     acc_warp_sums<NR>(acc, rows);
 }
 
+/* A chain item's GEMV (the projections, o_proj): gemv_rows, or in the
+ * 3-4-row kernels (NR 4) gemv_ring where it applies -- the item's slice is
+ * all of K ([k0, k1) = [0, K)), bf16 weights, not faulted -- so the next
+ * chunks are asked for before the wait: there a chunk's products no longer
+ * hide behind the one chunk gemv_rows has in flight (twenty-eighth and
+ * twenty-ninth sessions). xs and the ring share dsm. wait_c, wait_n: the
+ * activations' counter, as both. */
+template <int NR, int V>
+__device__ __forceinline__ void gemv_chain(float (&acc)[kRW][NR], const WMat &m, int64_t n0,
+                                           int64_t N, int K, int k0, int k1,
+                                           const uint16_t *const *rowp, int rows,
+                                           unsigned char *dsm, bool faulted,
+                                           const unsigned *wait_c, unsigned wait_n) {
+    if constexpr (NR == 4) {
+        if (!faulted && k0 == 0 && k1 == K && !((V & V_F8) && m.fp8)) {
+            gemv_ring<NR>(acc, wrow_of(m), n0, N, K, rowp, rows,
+                          reinterpret_cast<uint16_t *>(dsm),
+                          reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<NR>()), wait_c, wait_n);
+            return;
+        }
+    }
+    gemv_rows<NR, V>(acc, wrow_of(m), n0, N, k0, k1, rowp, rows,
+                     reinterpret_cast<uint16_t *>(dsm), faulted, wait_c, wait_n);
+}
+
 /* The fp32-weight GEMV (the router): linear_f32w_kernel's inner loop, two
  * rows per warp. */
 template <int NR>

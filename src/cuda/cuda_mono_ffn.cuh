@@ -22,25 +22,11 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     const int warp = threadIdx.x >> 5;
     float acc[kRW][NR];
     /* attention waited for inside, once the first chunk's weights are asked
-     * for (not in the item loop: post_dep). At 3-4 rows an unsplit bf16
-     * o_proj streams through the weight ring, its next chunk asked for
-     * before the wait: gemv_rows asks for a chunk only after the last one's
-     * products, and the first wave's second chunk landed 5 us after its
-     * first (twenty-eighth session's marks; -0.2 to -0.5% alone, with the
-     * chain's rolled pieces -0.6 / -1.5% at 4K / 128K: twenty-ninth). */
-    bool ring = false;
-    if constexpr (NR == 4) {
-        ring = !faulted && k0 == 0 && k1 == KQ && !((V & V_F8) && a.wo.fp8);
-        if (ring)
-            gemv_ring<NR>(acc, wrow_of(a.wo), tile * kTile + warp * kRW, a.H, KQ, ctl.rowp, a.T,
-                          reinterpret_cast<uint16_t *>(dsm),
-                          reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<NR>()), &a.ctr[C_ATT],
-                          (unsigned)(a.T * a.Nq));
-    }
-    if (!ring)
-        gemv_rows<NR, V>(acc, wrow_of(a.wo), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp,
-                         a.T, reinterpret_cast<uint16_t *>(dsm), faulted, &a.ctr[C_ATT],
-                         (unsigned)(a.T * a.Nq));
+     * for (not in the item loop: post_dep); at 3-4 rows through the ring
+     * (gemv_chain: the first wave's second chunk landed 5 us after its first
+     * at 4 rows, twenty-eighth session's marks) */
+    gemv_chain<NR, V>(acc, a.wo, tile * kTile + warp * kRW, a.H, KQ, k0, k1, ctl.rowp, a.T, dsm,
+                      faulted, &a.ctr[C_ATT], (unsigned)(a.T * a.Nq));
     mark(); /* the slice's products summed (warp sums) */
     const bool last = split_reduce<NR>(acc, a.s_o, slice, tile, a.part_o, a.ctr + a.o_otile, ctl);
     mark(); /* the partial written and arrived (the last arriver: summed) */

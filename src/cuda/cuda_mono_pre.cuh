@@ -152,23 +152,10 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     const int vr = tile * kTile + warp * kRW; /* this warp's first virtual row */
     float acc[kRW][NR];
     /* norm1 waited for inside, once the first chunk's weights are asked for
-     * (the first wave of items waits ~6 us for it at one row). At 3-4 rows
-     * an unsplit bf16 matrix (q, k, v) streams through the weight ring, two
-     * chunks ahead: there a chunk's products no longer hide behind its one
-     * chunk in flight. */
-    bool ring = false;
-    if constexpr (NR == 4) {
-        ring = !faulted && k0 == 0 && k1 == a.H && !((V & V_F8) && m->fp8);
-        if (ring)
-            gemv_ring<NR>(acc, wrow_of(*m), vr - base, m->n, a.H, ctl.rowp, a.T,
-                          reinterpret_cast<uint16_t *>(dsm),
-                          reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<NR>()), &a.ctr[C_NORM1],
-                          (unsigned)a.T + 1u);
-    }
-    if (!ring)
-        gemv_rows<NR, V>(acc, wrow_of(*m), vr - base, m->n, k0, k1, ctl.rowp, a.T,
-                         reinterpret_cast<uint16_t *>(dsm), faulted, &a.ctr[C_NORM1],
-                         (unsigned)a.T + 1u);
+     * (the first wave of items waits ~6 us for it at one row); at 3-4 rows
+     * q, k and v (unsplit, bf16) through the ring (gemv_chain) */
+    gemv_chain<NR, V>(acc, *m, vr - base, m->n, a.H, k0, k1, ctl.rowp, a.T, dsm, faulted,
+                      &a.ctr[C_NORM1], (unsigned)a.T + 1u);
     mark(); /* the slice's products summed (warp sums) */
     /* partial slots: s_pmax per tile whatever the matrix's own split */
     const bool last = split_reduce<NR>(acc, s, slice, tile, a.part_proj, a.ctr + a.o_ptile, ctl,
