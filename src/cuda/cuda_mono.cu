@@ -70,10 +70,13 @@
  * chunk and the weights are bf16, these walk their tiles with the next two
  * tiles' weights in a shared-memory ring (cp.async; a second register
  * buffer spills), and the routed gate/up items from 4-row groups and, in the
- * 3-4-row pre kernel, the unsplit bf16 projections (q, k, v) stream their
- * chunks through the same ring (down_walk, gemv_ring); at 2 rows (world
- * 1, bf16) a routed gate/up item covers three 4-neuron tiles, every chunk
- * of each through the ring, the rows staged whole once (gu_walk). Narrow matrices
+ * 3-4-row kernels, the unsplit bf16 projections (q, k, v, o) stream their
+ * chunks through the same ring (down_walk, gemv_ring; gemv_chain chooses
+ * for the projections); at 2 rows (world 1, bf16) a routed gate/up item
+ * covers three 4-neuron tiles, every chunk of each through the ring, the
+ * rows staged whole once (gu_walk). A chunk's products run as a loop over
+ * its four pieces from 8 rows, and from 4 rows in every item but the
+ * routed experts' (chunk_fma: the chain's code runs cold). Narrow matrices
  * (except the shared gate/up, off the chain) are split over K by the
  * rule the stock linear op used before its chunk groups (1024-column
  * slices; the count depends on the shape and the SM count, never on the
