@@ -14,6 +14,13 @@
  *            cp.async (commit group per piece);
  *   tma      the same ring filled with one bulk copy per piece
  *            (cp.async.bulk + mbarrier, the Hopper copy engine);
+ *   tile...  the routed gate/up item's shape (8 rows of 12 KB, a chunk
+ *            is 1,024 columns of every row): tile / tilec (the chunk's
+ *            bytes as 8 rows' segments / one contiguous range), tileN and
+ *            tmmaN (N activation rows' products on FMAs / tensor cores),
+ *            tileg4 and tiled4 (the activations staged per chunk between
+ *            barriers, as gemv_ring does; one buffer / two), and the same
+ *            with the fused kernels' 72 KB of shared memory (suffix s);
  *   copy     the read-bandwidth reference: every byte loaded once
  *            (grid-stride 16-byte streaming loads, 512 threads, 16 CTAs per
  *            SM, as m3's bench measures the floor's bandwidth).
@@ -45,6 +52,7 @@ constexpr int kK = 6144;             /* the activation row (hidden size) */
 constexpr int kPiece = 16384;        /* bytes per piece */
 constexpr int kPieceEl = kPiece / 2; /* bf16 per piece */
 constexpr int kMaxStages = 12;
+constexpr int kFusedSmem = 73984; /* the mono kernels' dynamic shared memory per CTA (kAttnSmem) */
 
 /* the CTA's pieces [p0, p1) of n_pieces */
 __device__ __forceinline__ void cta_range(long n_pieces, long *p0, long *p1) {
@@ -111,6 +119,258 @@ __global__ void __launch_bounds__(128, 3)
         }
     }
     cta_out(acc, out);
+}
+
+/* tile / tilec: the routed gate/up item's shape. The buffer is a matrix of
+ * rows of kK bf16; an item is 8 consecutive rows (6 pieces, 96 KB), a CTA
+ * takes a contiguous range of items. tile reads an item as the mono GEMV
+ * core does: chunk c is columns [c * 1024, c * 1024 + 1024) of all 8 rows,
+ * warp w rows 2w and 2w + 1, each lane 4 x 16 B of each (8 x 16 B in
+ * flight): 8 segments of 2 KB, 12 KB apart, per chunk. tilec reads the
+ * same 16 KB per chunk as one contiguous range of the item. If tile streams
+ * slower than tilec, the fused items' access pattern (not their loads in
+ * flight) holds the routed experts' phase. */
+template <bool CONTIG>
+__global__ void __launch_bounds__(128, 3)
+    tile_kernel(const uint16_t *w, long n_items, const uint16_t *x, float *out) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint16_t *xs = reinterpret_cast<uint16_t *>(smem);
+    load_x(xs, x);
+    long i0, i1;
+    cta_range(n_items, &i0, &i1);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float acc = 0.0f;
+    for (long it = i0; it < i1; it++) {
+        const long base = it * 8 * kK; /* the item's first element */
+#pragma unroll 1
+        for (int c = 0; c < kK / 1024; c++) {
+            long e[8];
+#pragma unroll
+            for (int v = 0; v < 8; v++) {
+                if (CONTIG)
+                    e[v] = base + (long)c * 8192 + (warp * 8 + v) * 256 + lane * 8;
+                else
+                    e[v] = base + (long)(warp * 2 + (v >> 2)) * kK + c * 1024 + (v & 3) * 256 +
+                           lane * 8;
+            }
+            uint4 vv[8];
+#pragma unroll
+            for (int v = 0; v < 8; v++)
+                vv[v] = __ldg(reinterpret_cast<const uint4 *>(w + e[v]));
+#pragma unroll
+            for (int v = 0; v < 8; v++)
+                acc += dot8(vv[v], xs, e[v]);
+        }
+    }
+    cta_out(acc, out);
+}
+
+/* tileN: tile's reads with the mono core's products for NR activation
+ * rows (piece_fma's shape: a lane's two weight rows share each row's 8
+ * activations, unpacked once per piece and row; 2 x NR sums), the rows
+ * staged whole in shared memory (NR copies of x: the CTA's sum is NR times
+ * tile's). If tile4 streams slower than tile, the 4-row products, not the
+ * reads, hold the items. */
+template <int NR, bool PIPE = false>
+__global__ void __launch_bounds__(128, 3)
+    tile_nr_kernel(const uint16_t *w, long n_items, const uint16_t *x, float *out) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint16_t *xs = reinterpret_cast<uint16_t *>(smem);
+    /* cp.async: a loop of loads and stores through registers made a chain
+     * of ~24 L2 round trips a thread at 4 rows (~10 µs a launch) */
+    for (int i = threadIdx.x; i < NR * kK / 8; i += blockDim.x)
+        cp_async16(reinterpret_cast<uint4 *>(xs) + i,
+                   reinterpret_cast<const uint4 *>(x) + i % (kK / 8), true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    long i0, i1;
+    cta_range(n_items, &i0, &i1);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float acc[2][NR] = {};
+    /* PIPE: the next chunk's loads issued before this chunk's products */
+    const long n_ch = (i1 - i0) * (kK / 1024);
+    auto load = [&](long j, uint4 (&vv)[2][4]) {
+        const long it = i0 + j / (kK / 1024);
+        const int c = (int)(j % (kK / 1024));
+        const uint16_t *rows = w + it * 8 * kK + (long)warp * 2 * kK;
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                vv[r][u] = __ldg(reinterpret_cast<const uint4 *>(rows + (long)r * kK + c * 1024 +
+                                                                 u * 256 + lane * 8));
+    };
+    uint4 nx[2][4];
+    if (PIPE && n_ch > 0)
+        load(0, nx);
+#pragma unroll 1
+    for (long j = 0; j < n_ch; j++) {
+        uint4 vv[2][4];
+        if (PIPE) {
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                    vv[r][u] = nx[r][u];
+            if (j + 1 < n_ch)
+                load(j + 1, nx);
+        } else {
+            load(j, vv);
+        }
+        const int c = (int)(j % (kK / 1024));
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int k = c * 1024 + u * 256 + lane * 8;
+            float wf[2][8];
+            unpack8(vv[0][u], wf[0]);
+            unpack8(vv[1][u], wf[1]);
+#pragma unroll
+            for (int t = 0; t < NR; t++) {
+                float xf[8];
+                unpack8(*reinterpret_cast<const uint4 *>(xs + t * kK + k), xf);
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+#pragma unroll
+                    for (int jj = 0; jj < 8; jj++)
+                        acc[r][t] += wf[r][jj] * xf[jj];
+            }
+        }
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            s += acc[r][t];
+    cta_out(s, out);
+}
+
+/* tmmaN: the same item and chunk bytes on tensor cores (mma m16n8k16,
+ * bf16 in, fp32 sums): the activations are A (the step's rows as m, the
+ * rest zero), the item's 8 weight rows B (n); each warp takes a quarter of
+ * every chunk's columns of all 8 rows, each lane 8 columns of its row g per
+ * 16-byte load (the two MMAs' k order permuted alike in A and B). The
+ * warps' partial sums would need one cross-warp sum per item. */
+template <int NR, int XPAD = 0, int STAGE = NR>
+__global__ void __launch_bounds__(128, 3)
+    tile_mma_kernel(const uint16_t *w, long n_items, const uint16_t *x, float *out) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint16_t *xs = reinterpret_cast<uint16_t *>(smem);
+    /* XPAD: each row's stride kK + XPAD (32: the 4 rows' 16-byte loads of a
+     * quarter warp in distinct banks; without it the rows, 12 KB apart,
+     * conflict 4-way) */
+    for (int i = threadIdx.x; i < STAGE * kK / 8; i += blockDim.x)
+        cp_async16(reinterpret_cast<uint4 *>(xs + (i / (kK / 8)) * XPAD) + i,
+                   reinterpret_cast<const uint4 *>(x) + i % (kK / 8), true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    long i0, i1;
+    cta_range(n_items, &i0, &i1);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, cq = lane & 3;
+    float d[8][4] = {}; /* one accumulator per load: no chain of dependent MMAs */
+    const uint16_t *xrow = xs + (size_t)(g < NR ? g : 0) * (kK + XPAD);
+    for (long it = i0; it < i1; it++) {
+        const uint16_t *row = w + (it * 8 + g) * kK;
+#pragma unroll 1
+        for (int c = 0; c < kK / 1024; c++) {
+            const int kb = c * 1024 + warp * 256 + cq * 8;
+            uint4 vv[8];
+#pragma unroll
+            for (int v = 0; v < 8; v++)
+                vv[v] = __ldg(reinterpret_cast<const uint4 *>(row + kb + v * 32));
+#pragma unroll
+            for (int v = 0; v < 8; v++) {
+                uint4 xv = make_uint4(0, 0, 0, 0);
+                if (g < NR)
+                    xv = *reinterpret_cast<const uint4 *>(xrow + kb + v * 32);
+                const uint32_t a0[4] = {xv.x, 0u, xv.y, 0u}, a1[4] = {xv.z, 0u, xv.w, 0u};
+                mma_bf16(d[v], a0, vv[v].x, vv[v].y);
+                mma_bf16(d[v], a1, vv[v].z, vv[v].w);
+            }
+        }
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int v = 0; v < 8; v++)
+        sum += d[v][0] + d[v][1];
+    cta_out(g < NR ? sum : 0.0f, out);
+}
+
+/* tileg4: tile4's products with the fused items' staging: the CTA stages
+ * each chunk's 4 activation rows (4 x 2 KB, one 16-byte load per thread
+ * and row, from global memory: L2) into shared memory between two
+ * barriers, the next chunk's loaded into registers before this chunk's
+ * products (gemv_ring's order). Against tile4 (x staged once): what the
+ * per-chunk activations and barriers cost the stream. */
+template <bool DBL>
+__global__ void __launch_bounds__(128, 3)
+    tile_stage_kernel(const uint16_t *w, long n_items, const uint16_t *x, float *out) {
+    constexpr int NR = 4;
+    /* DBL: two chunk buffers, one barrier a chunk (chunk j's buffer was
+     * last read in chunk j - 2's products, before chunk j - 1's barrier) */
+    __shared__ __align__(16) uint16_t xs2[2][NR * 1024];
+    long i0, i1;
+    cta_range(n_items, &i0, &i1);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float acc[2][NR] = {};
+    const long n_ch = (i1 - i0) * (kK / 1024);
+    uint4 xn[NR];
+    auto xload = [&](long j) {
+        const int c = (int)(j % (kK / 1024));
+#pragma unroll
+        for (int t = 0; t < NR; t++) /* row t: x again (the real rows differ per expert) */
+            xn[t] = __ldcg(reinterpret_cast<const uint4 *>(x + c * 1024 + threadIdx.x * 8));
+    };
+    if (n_ch > 0)
+        xload(0);
+#pragma unroll 1
+    for (long j = 0; j < n_ch; j++) {
+        const long it = i0 + j / (kK / 1024);
+        const int c = (int)(j % (kK / 1024));
+        const uint16_t *rows = w + it * 8 * kK + (long)warp * 2 * kK;
+        uint4 vv[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                vv[r][u] = __ldg(reinterpret_cast<const uint4 *>(rows + (long)r * kK + c * 1024 +
+                                                                 u * 256 + lane * 8));
+        uint16_t *xs = xs2[DBL ? (int)(j & 1) : 0];
+        if (!DBL)
+            __syncthreads(); /* the last chunk's xs consumed */
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            reinterpret_cast<uint4 *>(xs + t * 1024)[threadIdx.x] = xn[t];
+        __syncthreads();
+        if (j + 1 < n_ch)
+            xload(j + 1);
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int k = u * 256 + lane * 8;
+            float wf[2][8];
+            unpack8(vv[0][u], wf[0]);
+            unpack8(vv[1][u], wf[1]);
+#pragma unroll
+            for (int t = 0; t < NR; t++) {
+                float xf[8];
+                unpack8(*reinterpret_cast<const uint4 *>(xs + t * 1024 + k), xf);
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+#pragma unroll
+                    for (int jj = 0; jj < 8; jj++)
+                        acc[r][t] += wf[r][jj] * xf[jj];
+            }
+        }
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            s += acc[r][t];
+    cta_out(s, out);
 }
 
 /* the product of one staged piece (shared memory) */
@@ -290,7 +550,15 @@ int main(int argc, char **argv) {
         const Cfg cfgs[] = {
             {"copy", sms * 16, 512, 0}, {"ld", sms * 3, 128, 0},  {"cpasync", sms * 3, 128, 3},
             {"cpasync", sms, 256, 12},  {"tma", sms * 3, 128, 2}, {"tma", sms * 3, 128, 3},
-            {"tma", sms, 256, 6},       {"tma", sms, 256, 12},
+            {"tma", sms, 256, 6},       {"tma", sms, 256, 12},     {"tile", sms * 3, 128, 0},
+            {"tilec", sms * 3, 128, 0}, {"tile1", sms * 3, 128, 0},    {"tile2", sms * 3, 128, 0},
+            {"tile4", sms * 3, 128, 0}, {"tmma1", sms * 3, 128, 0},    {"tmma4", sms * 3, 128, 0},
+            {"tilep4", sms * 3, 128, 0}, {"tmmap4", sms * 3, 128, 0},
+            /* the fused kernels' shared memory per CTA (72 KB: 3 CTAs leave
+             * the SM ~28 KB of L1 for the loads in flight) */
+            {"tile1s", sms * 3, 128, 0}, {"tile4s", sms * 3, 128, 0},    {"tmma4s", sms * 3, 128, 0},
+            {"cpasyncs", sms * 3, 128, 3}, {"tmma1x4", sms * 3, 128, 0},
+            {"tileg4", sms * 3, 128, 0}, {"tiled4", sms * 3, 128, 0},
         };
         for (const Cfg &c : cfgs) {
             const size_t smem = c.stages ? kK * 2 + (size_t)c.stages * kPiece : kK * 2;
@@ -304,6 +572,78 @@ int main(int argc, char **argv) {
                                                        (long)(bytes / 16), dout);
                 } else if (!strcmp(c.mode, "ld")) {
                     ld_kernel<<<c.ctas, c.threads, smem>>>(dw, n_pieces, dx, dout);
+                } else if (!strcmp(c.mode, "tile")) {
+                    tile_kernel<false><<<c.ctas, c.threads, smem>>>(dw, n_pieces / 6, dx, dout);
+                } else if (!strcmp(c.mode, "tilec")) {
+                    tile_kernel<true><<<c.ctas, c.threads, smem>>>(dw, n_pieces / 6, dx, dout);
+                } else if (!strcmp(c.mode, "tile1") || !strcmp(c.mode, "tile2") ||
+                           !strcmp(c.mode, "tile4")) {
+                    const int nr = c.mode[4] - '0';
+                    const size_t xb = (size_t)nr * kK * 2;
+                    if (nr == 1)
+                        tile_nr_kernel<1><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx, dout);
+                    else if (nr == 2)
+                        tile_nr_kernel<2><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx, dout);
+                    else {
+                        DEV_CK(cudaFuncSetAttribute(tile_nr_kernel<4>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    (int)xb));
+                        tile_nr_kernel<4><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx, dout);
+                    }
+                } else if (!strcmp(c.mode, "tilep4")) {
+                    DEV_CK(cudaFuncSetAttribute(tile_nr_kernel<4, true>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                4 * kK * 2));
+                    tile_nr_kernel<4, true><<<c.ctas, c.threads, 4 * kK * 2>>>(dw, n_pieces / 6,
+                                                                                dx, dout);
+                } else if (!strcmp(c.mode, "tile1s") || !strcmp(c.mode, "tile4s") ||
+                           !strcmp(c.mode, "tmma4s") || !strcmp(c.mode, "cpasyncs")) {
+                    const int xb = kFusedSmem;
+                    const long ni = n_pieces / 6;
+                    if (c.mode[1] == 'p') { /* cpasyncs */
+                        DEV_CK(cudaFuncSetAttribute(cpasync_ring_kernel<3>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    xb));
+                        cpasync_ring_kernel<3><<<c.ctas, c.threads, xb>>>(dw, n_pieces, dx, dout);
+                    } else if (c.mode[1] == 'm') {
+                        DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<4>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    xb));
+                        tile_mma_kernel<4><<<c.ctas, c.threads, xb>>>(dw, ni, dx, dout);
+                    } else if (c.mode[4] == '1') {
+                        DEV_CK(cudaFuncSetAttribute(tile_nr_kernel<1>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    xb));
+                        tile_nr_kernel<1><<<c.ctas, c.threads, xb>>>(dw, ni, dx, dout);
+                    } else {
+                        DEV_CK(cudaFuncSetAttribute(tile_nr_kernel<4>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    xb));
+                        tile_nr_kernel<4><<<c.ctas, c.threads, xb>>>(dw, ni, dx, dout);
+                    }
+                } else if (!strcmp(c.mode, "tileg4")) {
+                    tile_stage_kernel<false><<<c.ctas, c.threads>>>(dw, n_pieces / 6, dx, dout);
+                } else if (!strcmp(c.mode, "tiled4")) {
+                    tile_stage_kernel<true><<<c.ctas, c.threads>>>(dw, n_pieces / 6, dx, dout);
+                } else if (!strcmp(c.mode, "tmma1x4")) { /* 1 row's products, 4 staged */
+                    DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<1, 0, 4>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                4 * kK * 2));
+                    tile_mma_kernel<1, 0, 4><<<c.ctas, c.threads, 4 * kK * 2>>>(dw, n_pieces / 6,
+                                                                                 dx, dout);
+                } else if (!strcmp(c.mode, "tmmap4")) {
+                    const int xb = 4 * (kK + 32) * 2;
+                    DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<4, 32>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, xb));
+                    tile_mma_kernel<4, 32><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx, dout);
+                } else if (!strcmp(c.mode, "tmma1")) {
+                    tile_mma_kernel<1><<<c.ctas, c.threads, kK * 2>>>(dw, n_pieces / 6, dx, dout);
+                } else if (!strcmp(c.mode, "tmma4")) {
+                    DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<4>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                4 * kK * 2));
+                    tile_mma_kernel<4><<<c.ctas, c.threads, 4 * kK * 2>>>(dw, n_pieces / 6, dx,
+                                                                         dout);
                 } else if (!strcmp(c.mode, "cpasync")) {
                     if (c.stages == 3) {
                         DEV_CK(cudaFuncSetAttribute(cpasync_ring_kernel<3>,
@@ -329,12 +669,23 @@ int main(int argc, char **argv) {
                 std::vector<float> got(c.ctas);
                 DEV_CK(
                     cudaMemcpy(got.data(), dout, c.ctas * sizeof(float), cudaMemcpyDeviceToHost));
+                const bool items = !strncmp(c.mode, "tile", 4) || !strncmp(c.mode, "tmma", 4); /* 6 pieces an item */
+                const long units = items ? n_pieces / 6 : n_pieces, per = items ? 6 : 1;
                 for (int b = 0; b < c.ctas && ok; b++) {
-                    long p0 = n_pieces * b / c.ctas, p1 = n_pieces * (b + 1) / c.ctas;
+                    long p0 = units * b / c.ctas * per, p1 = units * (b + 1) / c.ctas * per;
                     double ref = 0.0, mag = 0.0;
                     for (long p = p0; p < p1; p++)
                         ref += elem_dot[p], mag += fabs(elem_dot[p]);
                     /* fp32 sums of ~10^5 products of O(1) values */
+                    char nrc = c.mode[strlen(c.mode) - 1];
+                    if (nrc == 's')
+                        nrc = c.mode[strlen(c.mode) - 2];
+                    if (!strcmp(c.mode, "tmma1x4"))
+                        nrc = '1';
+                    if (items && nrc >= '1' && nrc <= '9') { /* NR copies of x */
+                        ref *= nrc - '0';
+                        mag *= nrc - '0';
+                    }
                     double tol = 1e-3 * (mag + 1.0) + 1e-2;
                     ok = std::isfinite(got[b]) && fabs(got[b] - ref) <= tol;
                     if (!ok)
