@@ -165,6 +165,43 @@ __global__ void __launch_bounds__(128, 3)
     cta_out(acc, out);
 }
 
+/* One chunk's products of a lane's two weight rows (vv[r][u]: 8 bf16 at
+ * column u * 256 + lane * 8 of the chunk) with NR activation rows (row t
+ * at x + t * stride, the chunk's first column at x), as piece_fma: each
+ * row's 8 activations unpacked once per piece, shared by both weight rows. */
+template <int NR>
+__device__ __forceinline__ void chunk_fma_nr(float (&acc)[2][NR], const uint4 (&vv)[2][4],
+                                             const uint16_t *x, int stride, int lane) {
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        const int k = u * 256 + lane * 8;
+        float wf[2][8];
+        unpack8(vv[0][u], wf[0]);
+        unpack8(vv[1][u], wf[1]);
+#pragma unroll
+        for (int t = 0; t < NR; t++) {
+            float xf[8];
+            unpack8(*reinterpret_cast<const uint4 *>(x + t * stride + k), xf);
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int jj = 0; jj < 8; jj++)
+                    acc[r][t] += wf[r][jj] * xf[jj];
+        }
+    }
+}
+
+template <int NR>
+__device__ __forceinline__ float acc_total(const float (&acc)[2][NR]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            s += acc[r][t];
+    return s;
+}
+
 /* tileN: tile's reads with the mono core's products for NR activation
  * rows (piece_fma's shape: a lane's two weight rows share each row's 8
  * activations, unpacked once per piece and row; 2 x NR sums), the rows
@@ -219,31 +256,9 @@ __global__ void __launch_bounds__(128, 3)
             load(j, vv);
         }
         const int c = (int)(j % (kK / 1024));
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int k = c * 1024 + u * 256 + lane * 8;
-            float wf[2][8];
-            unpack8(vv[0][u], wf[0]);
-            unpack8(vv[1][u], wf[1]);
-#pragma unroll
-            for (int t = 0; t < NR; t++) {
-                float xf[8];
-                unpack8(*reinterpret_cast<const uint4 *>(xs + t * kK + k), xf);
-#pragma unroll
-                for (int r = 0; r < 2; r++)
-#pragma unroll
-                    for (int jj = 0; jj < 8; jj++)
-                        acc[r][t] += wf[r][jj] * xf[jj];
-            }
-        }
+        chunk_fma_nr<NR>(acc, vv, xs + c * 1024, kK, lane);
     }
-    float s = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 2; r++)
-#pragma unroll
-        for (int t = 0; t < NR; t++)
-            s += acc[r][t];
-    cta_out(s, out);
+    cta_out(acc_total<NR>(acc), out);
 }
 
 /* tmmaN: the same item and chunk bytes on tensor cores (mma m16n8k16,
@@ -346,31 +361,9 @@ __global__ void __launch_bounds__(128, 3)
         __syncthreads();
         if (j + 1 < n_ch)
             xload(j + 1);
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int k = u * 256 + lane * 8;
-            float wf[2][8];
-            unpack8(vv[0][u], wf[0]);
-            unpack8(vv[1][u], wf[1]);
-#pragma unroll
-            for (int t = 0; t < NR; t++) {
-                float xf[8];
-                unpack8(*reinterpret_cast<const uint4 *>(xs + t * 1024 + k), xf);
-#pragma unroll
-                for (int r = 0; r < 2; r++)
-#pragma unroll
-                    for (int jj = 0; jj < 8; jj++)
-                        acc[r][t] += wf[r][jj] * xf[jj];
-            }
-        }
+        chunk_fma_nr<NR>(acc, vv, xs, 1024, lane);
     }
-    float s = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 2; r++)
-#pragma unroll
-        for (int t = 0; t < NR; t++)
-            s += acc[r][t];
-    cta_out(s, out);
+    cta_out(acc_total<NR>(acc), out);
 }
 
 /* the product of one staged piece (shared memory) */
