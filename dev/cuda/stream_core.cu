@@ -267,9 +267,11 @@ __global__ void __launch_bounds__(128, 3)
  * every chunk's columns of all 8 rows, each lane 8 columns of its row g per
  * 16-byte load (the two MMAs' k order permuted alike in A and B). The
  * warps' partial sums would need one cross-warp sum per item. */
-template <int NR, int XPAD = 0, int STAGE = NR>
+template <int NR, int XPAD = 0, int STAGE = NR, bool PRIV = false>
 __global__ void __launch_bounds__(128, 3)
     tile_mma_kernel(const uint16_t *w, long n_items, const uint16_t *x, float *out) {
+    if (PRIV) /* x holds a copy of the STAGE rows per CTA: no line read by every CTA */
+        x += (size_t)blockIdx.x * STAGE * kK;
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *xs = reinterpret_cast<uint16_t *>(smem);
     /* XPAD: each row's stride kK + XPAD (32: the 4 rows' 16-byte loads of a
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(128, 3)
      * conflict 4-way) */
     for (int i = threadIdx.x; i < STAGE * kK / 8; i += blockDim.x)
         cp_async16(reinterpret_cast<uint4 *>(xs + (i / (kK / 8)) * XPAD) + i,
-                   reinterpret_cast<const uint4 *>(x) + i % (kK / 8), true);
+                   reinterpret_cast<const uint4 *>(x) + (PRIV ? i : i % (kK / 8)), true);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -517,6 +519,12 @@ int main(int argc, char **argv) {
     DEV_CK(cudaMalloc(&dout, 4096 * sizeof(float)));
     DEV_CK(cudaMemcpy(dw, hw.data(), max_bytes, cudaMemcpyHostToDevice));
     DEV_CK(cudaMemcpy(dx, hx.data(), kK * 2, cudaMemcpyHostToDevice));
+    /* x again, 4 rows for each of up to 3 CTAs per SM (tmma1x4p) */
+    uint16_t *dxp;
+    const size_t xp_rows = (size_t)sms * 3 * 4;
+    DEV_CK(cudaMalloc(&dxp, xp_rows * kK * 2));
+    for (size_t r = 0; r < xp_rows; r++)
+        DEV_CK(cudaMemcpy(dxp + r * kK, hx.data(), kK * 2, cudaMemcpyHostToDevice));
     DevL2Flush l2(prop); /* every timed run starts cold */
     DevTimer timer;
 
@@ -551,6 +559,7 @@ int main(int argc, char **argv) {
              * the SM ~28 KB of L1 for the loads in flight) */
             {"tile1s", sms * 3, 128, 0}, {"tile4s", sms * 3, 128, 0},    {"tmma4s", sms * 3, 128, 0},
             {"cpasyncs", sms * 3, 128, 3}, {"tmma1x4", sms * 3, 128, 0},
+            {"tmma1x2", sms * 3, 128, 0}, {"tmma1x3", sms * 3, 128, 0}, {"tmma1x4p", sms * 3, 128, 0},
             {"tileg4", sms * 3, 128, 0}, {"tiled4", sms * 3, 128, 0},
         };
         for (const Cfg &c : cfgs) {
@@ -618,6 +627,26 @@ int main(int argc, char **argv) {
                     tile_stage_kernel<false><<<c.ctas, c.threads>>>(dw, n_pieces / 6, dx, dout);
                 } else if (!strcmp(c.mode, "tiled4")) {
                     tile_stage_kernel<true><<<c.ctas, c.threads>>>(dw, n_pieces / 6, dx, dout);
+                } else if (!strcmp(c.mode, "tmma1x2") || !strcmp(c.mode, "tmma1x3") ||
+                           !strcmp(c.mode, "tmma1x4p")) {
+                    const int st = c.mode[6] - '0';
+                    const int xb = st * kK * 2;
+                    if (st == 2) {
+                        tile_mma_kernel<1, 0, 2><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx,
+                                                                             dout);
+                    } else if (st == 3) {
+                        DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<1, 0, 3>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    xb));
+                        tile_mma_kernel<1, 0, 3><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx,
+                                                                             dout);
+                    } else {
+                        DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<1, 0, 4, true>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    xb));
+                        tile_mma_kernel<1, 0, 4, true>
+                            <<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dxp, dout);
+                    }
                 } else if (!strcmp(c.mode, "tmma1x4")) { /* 1 row's products, 4 staged */
                     DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<1, 0, 4>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -673,7 +702,7 @@ int main(int argc, char **argv) {
                     char nrc = c.mode[strlen(c.mode) - 1];
                     if (nrc == 's')
                         nrc = c.mode[strlen(c.mode) - 2];
-                    if (!strcmp(c.mode, "tmma1x4"))
+                    if (!strncmp(c.mode, "tmma1x", 6))
                         nrc = '1';
                     if (items && nrc >= '1' && nrc <= '9') { /* NR copies of x */
                         ref *= nrc - '0';
