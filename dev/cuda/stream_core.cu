@@ -41,6 +41,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/bf16.h"          /* the host's bf16 conversion (the reference) */
@@ -267,7 +268,16 @@ __global__ void __launch_bounds__(128, 3)
  * every chunk's columns of all 8 rows, each lane 8 columns of its row g per
  * 16-byte load (the two MMAs' k order permuted alike in A and B). The
  * warps' partial sums would need one cross-warp sum per item. */
-template <int NR, int XPAD = 0, int STAGE = NR, bool PRIV = false>
+/* a weight load that allocates no L1 line (NOALLOC modes) */
+__device__ __forceinline__ uint4 ld_noalloc(const void *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+template <int NR, int XPAD = 0, int STAGE = NR, bool PRIV = false, bool NOALLOC = false>
 __global__ void __launch_bounds__(128, 3)
     tile_mma_kernel(const uint16_t *w, long n_items, const uint16_t *x, float *out) {
     if (PRIV) /* x holds a copy of the STAGE rows per CTA: no line read by every CTA */
@@ -296,7 +306,8 @@ __global__ void __launch_bounds__(128, 3)
             uint4 vv[8];
 #pragma unroll
             for (int v = 0; v < 8; v++)
-                vv[v] = __ldg(reinterpret_cast<const uint4 *>(row + kb + v * 32));
+                vv[v] = NOALLOC ? ld_noalloc(row + kb + v * 32)
+                                : __ldg(reinterpret_cast<const uint4 *>(row + kb + v * 32));
 #pragma unroll
             for (int v = 0; v < 8; v++) {
                 uint4 xv = make_uint4(0, 0, 0, 0);
@@ -560,9 +571,18 @@ int main(int argc, char **argv) {
             {"tile1s", sms * 3, 128, 0}, {"tile4s", sms * 3, 128, 0},    {"tmma4s", sms * 3, 128, 0},
             {"cpasyncs", sms * 3, 128, 3}, {"tmma1x4", sms * 3, 128, 0},
             {"tmma1x2", sms * 3, 128, 0}, {"tmma1x3", sms * 3, 128, 0}, {"tmma1x4p", sms * 3, 128, 0},
+            /* the weights' loads allocating no L1 line: 1 / 4 rows staged */
+            {"tmma1n", sms * 3, 128, 0}, {"tmma1x4n", sms * 3, 128, 0},
             {"tileg4", sms * 3, 128, 0}, {"tiled4", sms * 3, 128, 0},
         };
+        /* STREAM_CORE_ONLY=mode[,mode...]: only those modes (for a profiler) */
+        const char *only = getenv("STREAM_CORE_ONLY");
         for (const Cfg &c : cfgs) {
+            if (only) {
+                std::string list = std::string(",") + only + ",";
+                if (list.find(std::string(",") + c.mode + ",") == std::string::npos)
+                    continue;
+            }
             const size_t smem = c.stages ? kK * 2 + (size_t)c.stages * kPiece : kK * 2;
             std::vector<double> us;
             for (int run = 0; run < runs; run++) {
@@ -647,6 +667,15 @@ int main(int argc, char **argv) {
                         tile_mma_kernel<1, 0, 4, true>
                             <<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dxp, dout);
                     }
+                } else if (!strcmp(c.mode, "tmma1n")) {
+                    tile_mma_kernel<1, 0, 1, false, true>
+                        <<<c.ctas, c.threads, kK * 2>>>(dw, n_pieces / 6, dx, dout);
+                } else if (!strcmp(c.mode, "tmma1x4n")) {
+                    DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<1, 0, 4, false, true>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                4 * kK * 2));
+                    tile_mma_kernel<1, 0, 4, false, true>
+                        <<<c.ctas, c.threads, 4 * kK * 2>>>(dw, n_pieces / 6, dx, dout);
                 } else if (!strcmp(c.mode, "tmma1x4")) { /* 1 row's products, 4 staged */
                     DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<1, 0, 4>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -702,7 +731,7 @@ int main(int argc, char **argv) {
                     char nrc = c.mode[strlen(c.mode) - 1];
                     if (nrc == 's')
                         nrc = c.mode[strlen(c.mode) - 2];
-                    if (!strncmp(c.mode, "tmma1x", 6))
+                    if (!strncmp(c.mode, "tmma1", 5))
                         nrc = '1';
                     if (items && nrc >= '1' && nrc <= '9') { /* NR copies of x */
                         ref *= nrc - '0';
