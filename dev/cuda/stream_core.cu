@@ -30,6 +30,8 @@
  * per-CTA sums are checked against a CPU reference (relative error 1e-3)
  * after the output was poisoned.
  *
+ * STREAM_CORE_ONLY=mode,... runs only those modes (under a profiler).
+ *
  *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc \
  *        dev/cuda/stream_core.cu -o /tmp/stream_core && /tmp/stream_core
  */
