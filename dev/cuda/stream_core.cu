@@ -57,6 +57,9 @@ constexpr int kPieceEl = kPiece / 2; /* bf16 per piece */
 constexpr int kMaxStages = 12;
 constexpr int kFusedSmem = 73984; /* the mono kernels' dynamic shared memory per CTA (kAttnSmem) */
 
+/* the tile modes' kernels: weights, items, x, per-CTA sums */
+using ItemKernel = void (*)(const uint16_t *, long, const uint16_t *, float *);
+
 /* the CTA's pieces [p0, p1) of n_pieces */
 __device__ __forceinline__ void cta_range(long n_pieces, long *p0, long *p1) {
     *p0 = n_pieces * blockIdx.x / gridDim.x;
@@ -168,6 +171,23 @@ __global__ void __launch_bounds__(128, 3)
     cta_out(acc, out);
 }
 
+/* rows activation rows into shared memory (cp.async; a load-store loop
+ * measured the same), row t at xs + t * (kK + XPAD) (XPAD 32: a quarter
+ * warp's 16-byte loads of 4 rows in distinct banks, which 12 KB apart
+ * conflict 4-way). x: one row, staged rows times; PRIV: rows rows for
+ * each CTA (x + blockIdx.x * rows * kK), so no line is read by every CTA. */
+template <int XPAD, bool PRIV>
+__device__ __forceinline__ void stage_rows(uint16_t *xs, const uint16_t *x, int rows) {
+    if (PRIV)
+        x += (size_t)blockIdx.x * rows * kK;
+    for (int i = threadIdx.x; i < rows * kK / 8; i += blockDim.x)
+        cp_async16(reinterpret_cast<uint4 *>(xs + (i / (kK / 8)) * XPAD) + i,
+                   reinterpret_cast<const uint4 *>(x) + (PRIV ? i : i % (kK / 8)), true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
 /* One chunk's products of a lane's two weight rows (vv[r][u]: 8 bf16 at
  * column u * 256 + lane * 8 of the chunk) with NR activation rows (row t
  * at x + t * stride, the chunk's first column at x), as piece_fma: each
@@ -209,26 +229,19 @@ __device__ __forceinline__ float acc_total(const float (&acc)[2][NR]) {
  * rows (piece_fma's shape: a lane's two weight rows share each row's 8
  * activations, unpacked once per piece and row; 2 x NR sums), the rows
  * staged whole in shared memory (NR copies of x: the CTA's sum is NR times
- * tile's). If tile4 streams slower than tile, the 4-row products, not the
- * reads, hold the items. */
+ * tile's). tile4 against tile1: what 4 rows' products and 48 KB staged
+ * cost together (tmma1xN takes the staging apart). PIPE (tilep4): the
+ * next chunk's loads issued before this chunk's products. */
 template <int NR, bool PIPE = false>
 __global__ void __launch_bounds__(128, 3)
     tile_nr_kernel(const uint16_t *w, long n_items, const uint16_t *x, float *out) {
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *xs = reinterpret_cast<uint16_t *>(smem);
-    /* cp.async: a loop of loads and stores through registers made a chain
-     * of ~24 L2 round trips a thread at 4 rows (~10 µs a launch) */
-    for (int i = threadIdx.x; i < NR * kK / 8; i += blockDim.x)
-        cp_async16(reinterpret_cast<uint4 *>(xs) + i,
-                   reinterpret_cast<const uint4 *>(x) + i % (kK / 8), true);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
+    stage_rows<0, false>(xs, x, NR);
     long i0, i1;
     cta_range(n_items, &i0, &i1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float acc[2][NR] = {};
-    /* PIPE: the next chunk's loads issued before this chunk's products */
     const long n_ch = (i1 - i0) * (kK / 1024);
     auto load = [&](long j, uint4 (&vv)[2][4]) {
         const long it = i0 + j / (kK / 1024);
@@ -264,12 +277,6 @@ __global__ void __launch_bounds__(128, 3)
     cta_out(acc_total<NR>(acc), out);
 }
 
-/* tmmaN: the same item and chunk bytes on tensor cores (mma m16n8k16,
- * bf16 in, fp32 sums): the activations are A (the step's rows as m, the
- * rest zero), the item's 8 weight rows B (n); each warp takes a quarter of
- * every chunk's columns of all 8 rows, each lane 8 columns of its row g per
- * 16-byte load (the two MMAs' k order permuted alike in A and B). The
- * warps' partial sums would need one cross-warp sum per item. */
 /* a weight load that allocates no L1 line (NOALLOC modes) */
 __device__ __forceinline__ uint4 ld_noalloc(const void *p) {
     uint4 v;
@@ -279,22 +286,21 @@ __device__ __forceinline__ uint4 ld_noalloc(const void *p) {
     return v;
 }
 
+/* tmmaN: the same item and chunk bytes on tensor cores (mma m16n8k16,
+ * bf16 in, fp32 sums): the activations are A (the step's rows as m, the
+ * rest zero), the item's 8 weight rows B (n); each warp takes a quarter of
+ * every chunk's columns of all 8 rows, each lane 8 columns of its row g per
+ * 16-byte load (the two MMAs' k order permuted alike in A and B). The
+ * warps' partial sums would need one cross-warp sum per item. STAGE rows
+ * are staged (tmma1xN: more than the products read), PRIV and XPAD as
+ * stage_rows, NOALLOC: the weights through ld_noalloc. */
+
 template <int NR, int XPAD = 0, int STAGE = NR, bool PRIV = false, bool NOALLOC = false>
 __global__ void __launch_bounds__(128, 3)
     tile_mma_kernel(const uint16_t *w, long n_items, const uint16_t *x, float *out) {
-    if (PRIV) /* x holds a copy of the STAGE rows per CTA: no line read by every CTA */
-        x += (size_t)blockIdx.x * STAGE * kK;
     extern __shared__ __align__(16) unsigned char smem[];
     uint16_t *xs = reinterpret_cast<uint16_t *>(smem);
-    /* XPAD: each row's stride kK + XPAD (32: the 4 rows' 16-byte loads of a
-     * quarter warp in distinct banks; without it the rows, 12 KB apart,
-     * conflict 4-way) */
-    for (int i = threadIdx.x; i < STAGE * kK / 8; i += blockDim.x)
-        cp_async16(reinterpret_cast<uint4 *>(xs + (i / (kK / 8)) * XPAD) + i,
-                   reinterpret_cast<const uint4 *>(x) + (PRIV ? i : i % (kK / 8)), true);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
+    stage_rows<XPAD, PRIV>(xs, x, STAGE);
     long i0, i1;
     cta_range(n_items, &i0, &i1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, cq = lane & 3;
@@ -557,25 +563,52 @@ int main(int argc, char **argv) {
                 d += (double)m3_bf16_to_f32(hw[e]) * m3_bf16_to_f32(hx[e % kK]);
             elem_dot[p] = d;
         }
+        /* item: a tile mode's kernel (all take the weights, the item count,
+         * x and the per-CTA sums), launched with smem bytes of dynamic
+         * shared memory; its reference is rows times the CTA's items' dot
+         * products (rows copies of x); priv: x from dxp, a copy per CTA.
+         * smem without item: the cpasync ring in that much shared memory. */
         struct Cfg {
             const char *mode;
             int ctas, threads, stages;
+            ItemKernel item;
+            int smem, rows;
+            bool priv;
         };
+        auto tile = [&](const char *m, ItemKernel k, int smem, int rows, bool priv = false) {
+            return Cfg{m, sms * 3, 128, 0, k, smem, rows, priv};
+        };
+        const int x1 = kK * 2; /* one staged row's bytes */
         const Cfg cfgs[] = {
             {"copy", sms * 16, 512, 0}, {"ld", sms * 3, 128, 0},  {"cpasync", sms * 3, 128, 3},
             {"cpasync", sms, 256, 12},  {"tma", sms * 3, 128, 2}, {"tma", sms * 3, 128, 3},
-            {"tma", sms, 256, 6},       {"tma", sms, 256, 12},     {"tile", sms * 3, 128, 0},
-            {"tilec", sms * 3, 128, 0}, {"tile1", sms * 3, 128, 0},    {"tile2", sms * 3, 128, 0},
-            {"tile4", sms * 3, 128, 0}, {"tmma1", sms * 3, 128, 0},    {"tmma4", sms * 3, 128, 0},
-            {"tilep4", sms * 3, 128, 0}, {"tmmap4", sms * 3, 128, 0},
+            {"tma", sms, 256, 6},       {"tma", sms, 256, 12},
+            tile("tile", tile_kernel<false>, x1, 1),
+            tile("tilec", tile_kernel<true>, x1, 1),
+            tile("tile1", tile_nr_kernel<1>, x1, 1),
+            tile("tile2", tile_nr_kernel<2>, 2 * x1, 2),
+            tile("tile4", tile_nr_kernel<4>, 4 * x1, 4),
+            tile("tmma1", tile_mma_kernel<1>, x1, 1),
+            tile("tmma4", tile_mma_kernel<4>, 4 * x1, 4),
+            tile("tilep4", tile_nr_kernel<4, true>, 4 * x1, 4),
+            tile("tmmap4", tile_mma_kernel<4, 32>, 4 * (kK + 32) * 2, 4),
             /* the fused kernels' shared memory per CTA (72 KB: 3 CTAs leave
-             * the SM ~28 KB of L1 for the loads in flight) */
-            {"tile1s", sms * 3, 128, 0}, {"tile4s", sms * 3, 128, 0},    {"tmma4s", sms * 3, 128, 0},
-            {"cpasyncs", sms * 3, 128, 3}, {"tmma1x4", sms * 3, 128, 0},
-            {"tmma1x2", sms * 3, 128, 0}, {"tmma1x3", sms * 3, 128, 0}, {"tmma1x4p", sms * 3, 128, 0},
+             * the SM ~23 KB of L1, ncu's carve-out of 233 KB) */
+            tile("tile1s", tile_nr_kernel<1>, kFusedSmem, 1),
+            tile("tile4s", tile_nr_kernel<4>, kFusedSmem, 4),
+            tile("tmma4s", tile_mma_kernel<4>, kFusedSmem, 4),
+            {"cpasyncs", sms * 3, 128, 3, nullptr, kFusedSmem},
+            /* one row's products with 4 / 2 / 3 rows staged, 4 from a copy
+             * per CTA */
+            tile("tmma1x4", tile_mma_kernel<1, 0, 4>, 4 * x1, 1),
+            tile("tmma1x2", tile_mma_kernel<1, 0, 2>, 2 * x1, 1),
+            tile("tmma1x3", tile_mma_kernel<1, 0, 3>, 3 * x1, 1),
+            tile("tmma1x4p", tile_mma_kernel<1, 0, 4, true>, 4 * x1, 1, true),
             /* the weights' loads allocating no L1 line: 1 / 4 rows staged */
-            {"tmma1n", sms * 3, 128, 0}, {"tmma1x4n", sms * 3, 128, 0},
-            {"tileg4", sms * 3, 128, 0}, {"tiled4", sms * 3, 128, 0},
+            tile("tmma1n", tile_mma_kernel<1, 0, 1, false, true>, x1, 1),
+            tile("tmma1x4n", tile_mma_kernel<1, 0, 4, false, true>, 4 * x1, 1),
+            tile("tileg4", tile_stage_kernel<false>, 0, 4),
+            tile("tiled4", tile_stage_kernel<true>, 0, 4),
         };
         /* STREAM_CORE_ONLY=mode[,mode...]: only those modes (for a profiler) */
         const char *only = getenv("STREAM_CORE_ONLY");
@@ -585,119 +618,26 @@ int main(int argc, char **argv) {
                 if (list.find(std::string(",") + c.mode + ",") == std::string::npos)
                     continue;
             }
-            const size_t smem = c.stages ? kK * 2 + (size_t)c.stages * kPiece : kK * 2;
+            const size_t smem =
+                c.smem ? c.smem : c.stages ? kK * 2 + (size_t)c.stages * kPiece : kK * 2;
+            if (c.item)
+                DEV_CK(cudaFuncSetAttribute((const void *)c.item,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)smem));
             std::vector<double> us;
             for (int run = 0; run < runs; run++) {
                 l2.flush(run);
                 DEV_CK(cudaMemset(dout, 0xff, 4096 * sizeof(float))); /* poison: NaN */
                 timer.start();
-                if (!strcmp(c.mode, "copy")) {
+                if (c.item) {
+                    c.item<<<c.ctas, c.threads, smem>>>(dw, n_pieces / 6, c.priv ? dxp : dx,
+                                                        dout);
+                } else if (!strcmp(c.mode, "copy")) {
                     copy_kernel<<<c.ctas, c.threads>>>(reinterpret_cast<const uint4 *>(dw),
                                                        (long)(bytes / 16), dout);
                 } else if (!strcmp(c.mode, "ld")) {
                     ld_kernel<<<c.ctas, c.threads, smem>>>(dw, n_pieces, dx, dout);
-                } else if (!strcmp(c.mode, "tile")) {
-                    tile_kernel<false><<<c.ctas, c.threads, smem>>>(dw, n_pieces / 6, dx, dout);
-                } else if (!strcmp(c.mode, "tilec")) {
-                    tile_kernel<true><<<c.ctas, c.threads, smem>>>(dw, n_pieces / 6, dx, dout);
-                } else if (!strcmp(c.mode, "tile1") || !strcmp(c.mode, "tile2") ||
-                           !strcmp(c.mode, "tile4")) {
-                    const int nr = c.mode[4] - '0';
-                    const size_t xb = (size_t)nr * kK * 2;
-                    if (nr == 1)
-                        tile_nr_kernel<1><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx, dout);
-                    else if (nr == 2)
-                        tile_nr_kernel<2><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx, dout);
-                    else {
-                        DEV_CK(cudaFuncSetAttribute(tile_nr_kernel<4>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    (int)xb));
-                        tile_nr_kernel<4><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx, dout);
-                    }
-                } else if (!strcmp(c.mode, "tilep4")) {
-                    DEV_CK(cudaFuncSetAttribute(tile_nr_kernel<4, true>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                4 * kK * 2));
-                    tile_nr_kernel<4, true><<<c.ctas, c.threads, 4 * kK * 2>>>(dw, n_pieces / 6,
-                                                                                dx, dout);
-                } else if (!strcmp(c.mode, "tile1s") || !strcmp(c.mode, "tile4s") ||
-                           !strcmp(c.mode, "tmma4s") || !strcmp(c.mode, "cpasyncs")) {
-                    const int xb = kFusedSmem;
-                    const long ni = n_pieces / 6;
-                    if (c.mode[1] == 'p') { /* cpasyncs */
-                        DEV_CK(cudaFuncSetAttribute(cpasync_ring_kernel<3>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    xb));
-                        cpasync_ring_kernel<3><<<c.ctas, c.threads, xb>>>(dw, n_pieces, dx, dout);
-                    } else if (c.mode[1] == 'm') {
-                        DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<4>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    xb));
-                        tile_mma_kernel<4><<<c.ctas, c.threads, xb>>>(dw, ni, dx, dout);
-                    } else if (c.mode[4] == '1') {
-                        DEV_CK(cudaFuncSetAttribute(tile_nr_kernel<1>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    xb));
-                        tile_nr_kernel<1><<<c.ctas, c.threads, xb>>>(dw, ni, dx, dout);
-                    } else {
-                        DEV_CK(cudaFuncSetAttribute(tile_nr_kernel<4>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    xb));
-                        tile_nr_kernel<4><<<c.ctas, c.threads, xb>>>(dw, ni, dx, dout);
-                    }
-                } else if (!strcmp(c.mode, "tileg4")) {
-                    tile_stage_kernel<false><<<c.ctas, c.threads>>>(dw, n_pieces / 6, dx, dout);
-                } else if (!strcmp(c.mode, "tiled4")) {
-                    tile_stage_kernel<true><<<c.ctas, c.threads>>>(dw, n_pieces / 6, dx, dout);
-                } else if (!strcmp(c.mode, "tmma1x2") || !strcmp(c.mode, "tmma1x3") ||
-                           !strcmp(c.mode, "tmma1x4p")) {
-                    const int st = c.mode[6] - '0';
-                    const int xb = st * kK * 2;
-                    if (st == 2) {
-                        tile_mma_kernel<1, 0, 2><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx,
-                                                                             dout);
-                    } else if (st == 3) {
-                        DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<1, 0, 3>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    xb));
-                        tile_mma_kernel<1, 0, 3><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx,
-                                                                             dout);
-                    } else {
-                        DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<1, 0, 4, true>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    xb));
-                        tile_mma_kernel<1, 0, 4, true>
-                            <<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dxp, dout);
-                    }
-                } else if (!strcmp(c.mode, "tmma1n")) {
-                    tile_mma_kernel<1, 0, 1, false, true>
-                        <<<c.ctas, c.threads, kK * 2>>>(dw, n_pieces / 6, dx, dout);
-                } else if (!strcmp(c.mode, "tmma1x4n")) {
-                    DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<1, 0, 4, false, true>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                4 * kK * 2));
-                    tile_mma_kernel<1, 0, 4, false, true>
-                        <<<c.ctas, c.threads, 4 * kK * 2>>>(dw, n_pieces / 6, dx, dout);
-                } else if (!strcmp(c.mode, "tmma1x4")) { /* 1 row's products, 4 staged */
-                    DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<1, 0, 4>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                4 * kK * 2));
-                    tile_mma_kernel<1, 0, 4><<<c.ctas, c.threads, 4 * kK * 2>>>(dw, n_pieces / 6,
-                                                                                 dx, dout);
-                } else if (!strcmp(c.mode, "tmmap4")) {
-                    const int xb = 4 * (kK + 32) * 2;
-                    DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<4, 32>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize, xb));
-                    tile_mma_kernel<4, 32><<<c.ctas, c.threads, xb>>>(dw, n_pieces / 6, dx, dout);
-                } else if (!strcmp(c.mode, "tmma1")) {
-                    tile_mma_kernel<1><<<c.ctas, c.threads, kK * 2>>>(dw, n_pieces / 6, dx, dout);
-                } else if (!strcmp(c.mode, "tmma4")) {
-                    DEV_CK(cudaFuncSetAttribute(tile_mma_kernel<4>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                4 * kK * 2));
-                    tile_mma_kernel<4><<<c.ctas, c.threads, 4 * kK * 2>>>(dw, n_pieces / 6, dx,
-                                                                         dout);
-                } else if (!strcmp(c.mode, "cpasync")) {
+                } else if (!strncmp(c.mode, "cpasync", 7)) {
                     if (c.stages == 3) {
                         DEV_CK(cudaFuncSetAttribute(cpasync_ring_kernel<3>,
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -722,7 +662,7 @@ int main(int argc, char **argv) {
                 std::vector<float> got(c.ctas);
                 DEV_CK(
                     cudaMemcpy(got.data(), dout, c.ctas * sizeof(float), cudaMemcpyDeviceToHost));
-                const bool items = !strncmp(c.mode, "tile", 4) || !strncmp(c.mode, "tmma", 4); /* 6 pieces an item */
+                const bool items = c.item != nullptr; /* 6 pieces an item */
                 const long units = items ? n_pieces / 6 : n_pieces, per = items ? 6 : 1;
                 for (int b = 0; b < c.ctas && ok; b++) {
                     long p0 = units * b / c.ctas * per, p1 = units * (b + 1) / c.ctas * per;
@@ -730,14 +670,9 @@ int main(int argc, char **argv) {
                     for (long p = p0; p < p1; p++)
                         ref += elem_dot[p], mag += fabs(elem_dot[p]);
                     /* fp32 sums of ~10^5 products of O(1) values */
-                    char nrc = c.mode[strlen(c.mode) - 1];
-                    if (nrc == 's')
-                        nrc = c.mode[strlen(c.mode) - 2];
-                    if (!strncmp(c.mode, "tmma1", 5))
-                        nrc = '1';
-                    if (items && nrc >= '1' && nrc <= '9') { /* NR copies of x */
-                        ref *= nrc - '0';
-                        mag *= nrc - '0';
+                    if (items) { /* rows copies of x */
+                        ref *= c.rows;
+                        mag *= c.rows;
                     }
                     double tol = 1e-3 * (mag + 1.0) + 1e-2;
                     ok = std::isfinite(got[b]) && fabs(got[b] - ref) <= tol;
