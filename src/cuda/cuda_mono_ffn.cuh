@@ -469,17 +469,28 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     combine_arrive_n<V>(a, ctl, tile, 1, faulted);
 }
 
-/* 4-neuron tiles per routed gate/up item in this kernel: a.egu_sub (the
- * host sets 1 where gu_walk does not apply: fp8 weights, or whole rows and
- * two ring slots over the shared memory) in the bf16 world-1 1- and 2-row
- * kernels; 1 above (the 4-row groups stream through gemv_ring) and in the
- * fp8 and world > 1 kernels (the walk's code spilled 40-116 bytes there,
- * ptxas). The item count (mono_post_kernel), the items and the routed down
- * items' wait use it. */
-template <int ENR, int V>
+/* Member rows per routed group in the NR-row kernels. */
+__host__ __device__ constexpr int enr_of(int NR) { return NR <= 1 ? 1 : (NR <= 2 ? 2 : 4); }
+
+/* 4-neuron tiles per routed gate/up item in the NR-row kernel: a.egu_sub
+ * (the host sets 1 where gu_walk does not apply: fp8 weights, or whole
+ * rows and two ring slots over the shared memory) in the bf16 world-1
+ * kernels up to 8 rows; 1 in the 16-row kernel (its 4-row groups stream
+ * through gemv_ring: the walk was +2% at 16 rows, thirty-first session)
+ * and in the fp8 and world > 1 kernels (the walk's code spilled 40-116
+ * bytes there, ptxas). The item count (mono_post_kernel), the items and
+ * the routed down items' wait use it. */
+template <int NR, int V>
 __device__ __forceinline__ int egu_sub_of(const MonoArgs &a) {
-    return ENR <= 2 && !(V & (V_F8 | V_TP)) ? a.egu_sub : 1;
+    return NR <= 8 && !(V & (V_F8 | V_TP)) ? a.egu_sub : 1;
 }
+/* The 3-8-row bf16 world-1 kernels walk every routed gate/up item
+ * (a.egu_walk: where it fits), their members two at a time: at 4 rows an
+ * expert has one member in most steps, and one-tile items through
+ * gemv_ring paid a ring fill and the item's start for 98 KB each (2,880
+ * items of 10.9 us at 4 rows, thirty-first session's trace). */
+template <int NR, int V>
+constexpr bool kWalkGroups = NR > 2 && NR <= 8 && !(V & (V_F8 | V_TP));
 __host__ __device__ __forceinline__ int egu_groups(int I, int sub) {
     return (I / 4 + sub - 1) / sub;
 }
@@ -585,16 +596,18 @@ __device__ void egu_walk_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, i
 /* Routed gate + up + SwiGLU of slot u's expert, neurons [tile*4, tile*4+4)
  * (egu_sub_of tiles from there: gu_walk), its members ENR at a time (their
  * x rows gathered). */
-template <int ENR, int V>
+template <int NR, int V>
 __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                          bool faulted) {
-    const int sub = egu_sub_of<ENR, V>(a);
+    constexpr int ENR = enr_of(NR);
+    const int sub = egu_sub_of<NR, V>(a);
     const int warp = threadIdx.x >> 5;
-    if (sub > 1) {
+    constexpr bool kGroups = kWalkGroups<NR, V>;
+    if (kGroups ? a.egu_walk != 0 : sub > 1) {
         const int groups = egu_groups(a.I, sub), u = item / groups;
         const int tile0 = item % groups * sub, ntile = min(sub, a.I / 4 - tile0);
         if (!faulted)
-            egu_walk_item<ENR>(a, ctl, dsm, u, tile0, ntile);
+            egu_walk_item<kGroups ? 2 : ENR>(a, ctl, dsm, u, tile0, ntile);
         signal_count(&a.ctr[a.o_egu + u]);
         return;
     }
@@ -611,7 +624,7 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
              * rows it made the items slower (+2.6% at one row; twenty-first
              * session) */
             bool ring = false;
-            if constexpr (ENR >= 4) {
+            if constexpr (ENR >= 4 && !kGroups) {
                 ring = !((V & V_F8) && W.fp8);
                 if (ring)
                     gemv_ring<ENR, true>(acc, W, n0, a.I, a.H, ctl.rowp, rows,
@@ -638,9 +651,10 @@ __host__ __device__ __forceinline__ int edn_groups(int H, int sub) {
     return (H / kTile + sub - 1) / sub;
 }
 
-template <int ENR, int V>
+template <int NR, int V>
 __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                          bool faulted) {
+    constexpr int ENR = enr_of(NR);
     const int tiles = a.H / kTile, groups = edn_groups(a.H, a.edn_sub);
     const int u = item / groups, tile0 = (item % groups) * a.edn_sub;
     const int ntile = min(a.edn_sub, tiles - tile0);
@@ -651,7 +665,7 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
         f0 = __ldcg(a.ufirst + u);
         f1 = __ldcg(a.ufirst + u + 1);
     }
-    wait_count(&a.ctr[a.o_egu + u], (unsigned)egu_groups(a.I, egu_sub_of<ENR, V>(a)));
+    wait_count(&a.ctr[a.o_egu + u], (unsigned)egu_groups(a.I, egu_sub_of<NR, V>(a)));
     if (a.I <= kKC && !((V & V_F8) && a.ed.fp8)) { /* one staged chunk (M3: 768), bf16 */
         if (!faulted) {
             const WRow W = wrow_expert(a.ed, e);

@@ -218,7 +218,6 @@ __device__ __forceinline__ int own_item(const MonoArgs &a, int s, int base_n2) {
 template <int NR, int V>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     mono_post_kernel(const __grid_constant__ MonoArgs a) {
-    constexpr int ENR = NR <= 1 ? 1 : (NR <= 2 ? 2 : 4);
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
     knobs_init(a);
@@ -265,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
                 if (threadIdx.x == 0)
                     ctl.plan_nu = nu; /* seen by the CTA after the item's barriers */
             }
-            n_egu = nu * egu_groups(a.I, egu_sub_of<ENR, V>(a));
+            n_egu = nu * egu_groups(a.I, egu_sub_of<NR, V>(a));
             n_edn = nu * edn_groups(a.H, a.edn_sub);
             if (cur - base_dyn >= n_egu + (n_shdn - n_shdn0) + n_edn + n_fin)
                 break;
@@ -330,9 +329,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         case K_ROUTER: plan = router_item<NR, V>(a, ctl, dsm, cur, faulted) && !a.pin; break;
         case K_PLAN: plan = true; break;
         case K_SHGU: shgu_item<NR, V>(a, ctl, dsm, cur, faulted); break;
-        case K_EGU: egu_item<ENR, V>(a, ctl, dsm, cur, faulted); break;
+        case K_EGU: egu_item<NR, V>(a, ctl, dsm, cur, faulted); break;
         case K_SHDN: shdn_item<NR, V>(a, ctl, dsm, cur, faulted); break;
-        case K_EDN: edn_item<ENR, V>(a, ctl, dsm, cur, faulted); break;
+        case K_EDN: edn_item<NR, V>(a, ctl, dsm, cur, faulted); break;
         default: final_item<V>(a, ctl, cur, faulted); break;
         }
         if (plan) /* one call site: the plan's code is inlined once */

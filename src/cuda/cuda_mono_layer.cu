@@ -306,10 +306,13 @@ static void args_buffers(const m3_cuda_mono *m, const m3_step *st, const m3_cach
                       ? (m->shdn_sub ? m->shdn_sub : a->edn_sub)
                       : 1;
     {
-        /* the item's member group is the kernel's ENR: 1 row, else 2 here */
+        /* the walk's member group: 1 row, else 2 (the kernel's ENR at 2
+         * rows, two at a time at 3-8); tiles per item: 3 at 2 rows
+         * (twenty-second session), 4 at 3-8 (thirty-first) */
         const int xs = a->T <= 1 ? gu_xs_bytes<1>(a->H) : gu_xs_bytes<2>(a->H);
-        const bool walk = a->T <= 2 && !a->eg.fp8 && !a->eu.fp8 && gu_fits(xs, (int)m->smem);
-        a->egu_sub = !walk ? 1 : m->egu_sub ? m->egu_sub : (a->T == 2 ? 3 : 1);
+        const bool walk = a->T <= 8 && !a->eg.fp8 && !a->eu.fp8 && gu_fits(xs, (int)m->smem);
+        a->egu_walk = walk && a->T > 2;
+        a->egu_sub = !walk ? 1 : m->egu_sub ? m->egu_sub : (a->T == 1 ? 1 : a->T == 2 ? 3 : 4);
     }
     /* CTAs of their own for norm2 and the plan only where more CTAs than
      * rows run the queue; dry runs only at world 1 (a dry all-reduce would
