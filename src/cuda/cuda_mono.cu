@@ -69,12 +69,13 @@
  * down items as many tiles of the shared expert; where the width fits one
  * chunk and the weights are bf16, these walk their tiles with the next two
  * tiles' weights in a shared-memory ring (cp.async; a second register
- * buffer spills), and the routed gate/up items from 4-row groups and, in the
- * 3-4-row kernels, the unsplit bf16 projections (q, k, v, o) stream their
- * chunks through the same ring (down_walk, gemv_ring; gemv_chain chooses
- * for the projections); at 2 rows (world 1, bf16) a routed gate/up item
- * covers three 4-neuron tiles, every chunk of each through the ring, the
- * rows staged whole once (gu_walk). A chunk's products run as a loop over
+ * buffer spills), and the 16-row kernel's routed gate/up items (4-row
+ * groups) and, in the 3-4-row kernels, the unsplit bf16 projections (q, k,
+ * v, o) stream their chunks through the same ring (down_walk, gemv_ring;
+ * gemv_chain chooses for the projections); at 2-8 rows (world 1, bf16) a
+ * routed gate/up item covers three (2 rows) or four (3-8 rows, the
+ * expert's members two at a time) 4-neuron tiles, every chunk of each
+ * through the ring, the rows staged whole once (gu_walk). A chunk's products run as a loop over
  * its four pieces from 8 rows, and from 4 rows in every item but the
  * routed experts' (chunk_fma: the chain's code runs cold). Narrow matrices
  * (except the shared gate/up, off the chain) are split over K by the
@@ -295,10 +296,11 @@ static void read_knobs(m3_cuda_mono *m) {
      * items; 1: a tile per item, gemv_rows; only where the shared width
      * fits one staged chunk, unsplit, bf16, else 1) */
     m->shdn_sub = env_int("M3_MONO_SHDN_SUB", 0, 0, 8);
-    /* M3_MONO_EGU_SUB=n: 4-neuron tiles per routed gate/up item in the 1-
-     * and 2-row kernels, walked through one weight ring (gu_walk; 0, the
-     * default: 3 at 2 rows (-2.8%), 1 at one row (2 or 3 there: +2-4%;
-     * twenty-second session); only for bf16 weights whose rows, staged
+    /* M3_MONO_EGU_SUB=n: 4-neuron tiles per routed gate/up item in the
+     * 1-8-row kernels, walked through one weight ring (gu_walk; 0, the
+     * default: 1 at one row (2 or 3 there: +2-4%; twenty-second session),
+     * 3 at 2 rows (-2.8%), 4 at 3-8 rows (-2.1% at 4 rows, -2.9% at 8;
+     * thirty-first session); only for bf16 weights whose rows, staged
      * whole, leave two ring slots of shared memory, else 1) */
     m->egu_sub = env_int("M3_MONO_EGU_SUB", 0, 0, 8);
     /* M3_MONO_PIN=n: CTAs of their own for norm2 and the routing plan

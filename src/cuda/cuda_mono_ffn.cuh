@@ -569,7 +569,8 @@ __device__ __forceinline__ void egu_tile_out(const MonoArgs &a, const Ctl &ctl, 
 }
 
 /* egu_item's gu_walk path: tiles [tile0, tile0 + ntile) of slot u's
- * expert, its members ENR at a time. */
+ * expert, its members ENR at a time (each further group walks the same
+ * weights again). */
 template <int ENR>
 __device__ void egu_walk_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int u,
                               int tile0, int ntile) {
