@@ -21,6 +21,8 @@
  *            tileg4 and tiled4 (the activations staged per chunk between
  *            barriers, as gemv_ring does; one buffer / two), and the same
  *            with the fused kernels' 72 KB of shared memory (suffix s);
+ *   dwalk / gwalk  the fused kernels' per-warp rings (down_walk: 12 KB
+ *            down tiles; gu_walk: 16 KB gate/up chunks), suffix s as above;
  *   copy     the read-bandwidth reference: every byte loaded once
  *            (grid-stride 16-byte streaming loads, 512 threads, 16 CTAs per
  *            SM, as m3's bench measures the floor's bandwidth).
@@ -387,6 +389,102 @@ __global__ void __launch_bounds__(128, 3)
     cta_out(acc_total<NR>(acc), out);
 }
 
+/* dwalk / gwalk: the fused kernels' per-warp weight ring (mono
+ * down_walk / gu_walk): each warp copies its own 2 rows' pieces of a step
+ * into its part of a 16 KB slot with 16-byte cp.async (ring_issue's layout:
+ * 4 pieces a row and lane, those past the step's columns zero-filled), S -
+ * 1 steps ahead, and reads back only what it copied (no barrier). A step
+ * is 8 rows of ROWLEN 768 (a routed down tile: 12 KB) or the 1,024 columns
+ * of a chunk of 8 rows of ROWLEN 6,144 (a gate/up chunk: 16 KB); an item
+ * is 96 KB (8 down tiles, 6 gate/up chunks); the warp sums after every
+ * down tile (down_walk) and after an item's 6 chunks (gu_walk's tile). Do
+ * the two shapes stream alike? In the layer the down items read 7.7 GB/s
+ * a CTA and the walked gate/up 9.65 (docs/PERF.md, thirty-first session).
+ * x is staged whole; element e of the buffer is multiplied by x[e % kK],
+ * as in every mode. */
+template <int ROWLEN, int S>
+__global__ void __launch_bounds__(128, 3)
+    walk_kernel(const uint16_t *w, long n_items, const uint16_t *x, float *out) {
+    static_assert(ROWLEN == 768 || ROWLEN == kK, "a down tile or a gate/up chunk");
+    static_assert(S == 3, "the waits below");
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint16_t *xs = reinterpret_cast<uint16_t *>(smem);
+    uint4 *ring = reinterpret_cast<uint4 *>(smem + kK * 2);
+    constexpr int KN = ROWLEN < 1024 ? ROWLEN : 1024; /* columns a step */
+    constexpr int STEPS = ROWLEN == 768 ? 8 : 6;      /* steps an item */
+    constexpr int SUMS = ROWLEN == 768 ? 1 : 6;       /* steps between warp sums */
+    constexpr int SLOT = kPiece / 16;                 /* uint4 a slot */
+    stage_rows<0, false>(xs, x, 1);
+    long i0, i1;
+    cta_range(n_items, &i0, &i1);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint4 *mine = ring + warp * (2 * 4 * 32) + lane;
+    const long n_steps = (i1 - i0) * STEPS;
+    auto first = [&](long j, long *r0, int *c0) { /* this warp's rows, the step's column */
+        const long it = i0 + j / STEPS;
+        const int st = (int)(j % STEPS);
+        *r0 = ROWLEN == 768 ? it * 64 + st * 8 + warp * 2 : it * 8 + warp * 2;
+        *c0 = ROWLEN == 768 ? 0 : st * 1024;
+    };
+    auto issue = [&](long j) {
+        long r0;
+        int c0;
+        first(j, &r0, &c0);
+        uint4 *dst = mine + (j % S) * SLOT;
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int k = lane * 8 + u * 256;
+                const bool ok = k < KN;
+                cp_async16(dst + (r * 4 + u) * 32, ok ? w + (r0 + r) * ROWLEN + c0 + k : w, ok);
+            }
+        cp_async_commit();
+    };
+    for (long j = 0; j < S - 1 && j < n_steps; j++)
+        issue(j);
+    float acc[2] = {0.0f, 0.0f}, total = 0.0f;
+#pragma unroll 1
+    for (long j = 0; j < n_steps; j++) {
+        if (j + S - 1 < n_steps)
+            issue(j + S - 1); /* its slot held step j - 1, read in the last pass */
+        const long behind = n_steps - 1 - j;
+        if (behind >= 2)
+            cp_async_wait<2>();
+        else if (behind == 1)
+            cp_async_wait<1>();
+        else
+            cp_async_wait<0>();
+        long r0;
+        int c0;
+        first(j, &r0, &c0);
+        const uint4 *src = mine + (j % S) * SLOT;
+        uint4 v[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                v[r][u] = src[(r * 4 + u) * 32];
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int k = lane * 8 + u * 256;
+                if (k < KN)
+                    acc[r] += dot8(v[r][u], xs, (r0 + r) * ROWLEN + c0 + k);
+            }
+        if ((j + 1) % SUMS == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const float ws = m3_warp_sum(acc[r]); /* as down_walk's outputs */
+                total += lane == 0 ? ws : 0.0f;
+                acc[r] = 0.0f;
+            }
+        }
+    }
+    cta_out(total, out);
+}
+
 /* the product of one staged piece (shared memory) */
 __device__ __forceinline__ float piece_dot(const uint16_t *st, const uint16_t *xs, long e0) {
     float acc = 0.0f;
@@ -609,6 +707,12 @@ int main(int argc, char **argv) {
             tile("tmma1x4n", tile_mma_kernel<1, 0, 4, false, true>, 4 * x1, 1),
             tile("tileg4", tile_stage_kernel<false>, 0, 4),
             tile("tiled4", tile_stage_kernel<true>, 0, 4),
+            /* the fused kernels' per-warp rings: down tiles / gate/up
+             * chunks, in 60 KB (x and three slots) and in the fused 72 KB */
+            tile("dwalk", walk_kernel<768, 3>, x1 + 3 * kPiece, 1),
+            tile("gwalk", walk_kernel<kK, 3>, x1 + 3 * kPiece, 1),
+            tile("dwalks", walk_kernel<768, 3>, kFusedSmem, 1),
+            tile("gwalks", walk_kernel<kK, 3>, kFusedSmem, 1),
         };
         /* STREAM_CORE_ONLY=mode[,mode...]: only those modes (for a profiler) */
         const char *only = getenv("STREAM_CORE_ONLY");
