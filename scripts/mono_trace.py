@@ -11,8 +11,9 @@ CTA's first item at once). The gaps between kinds are where CTAs waited.
 Older traces without the ready column show no split. Traces of a build
 with -DM3_MONO_MARKS have up to six mark columns (times inside each item:
 each GEMV chunk's activations staged and, from 2026-12-01's fourteenth
-session, warp 0's products of it done; a routed down item's outputs
-written, its combine arrival): their medians, in µs after the item's
+session, warp 0's products of it done; a routed down item's
+activations staged (from the thirty-first session), its outputs written,
+its combine arrival): their medians, in µs after the item's
 inputs were ready, are printed under each kind, for all items and split
 into CTAs' first items of the kind and their later ones.
 """

@@ -683,6 +683,7 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
                 __syncthreads();
                 stage_x<ENR>(xs, ctl.rowp, rows, 0, a.I);
                 __syncthreads();
+                mark(); /* the group's activations staged */
                 down_walk<ENR, true>(W, a.H, a.I, xs, ring, tile0, ntile, rows,
                                      [&](int t, int64_t n, float v) {
                                          a.eout[(size_t)ctl.mem[t] * a.H + n] = v;
