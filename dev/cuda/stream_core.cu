@@ -448,13 +448,7 @@ __global__ void __launch_bounds__(128, 3)
     for (long j = 0; j < n_steps; j++) {
         if (j + S - 1 < n_steps)
             issue(j + S - 1); /* its slot held step j - 1, read in the last pass */
-        const long behind = n_steps - 1 - j;
-        if (behind >= 2)
-            cp_async_wait<2>();
-        else if (behind == 1)
-            cp_async_wait<1>();
-        else
-            cp_async_wait<0>();
+        ring_wait((int)min(n_steps - 1 - j, (long)S - 1));
         long r0;
         int c0;
         first(j, &r0, &c0);

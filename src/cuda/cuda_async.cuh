@@ -38,6 +38,18 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* Wait until at most `behind` (0..2) cp.async groups issued after the one
+ * wanted are pending (a ring two slots ahead: wait_group takes an
+ * immediate). */
+__device__ __forceinline__ void ring_wait(int behind) {
+    if (behind >= 2)
+        cp_async_wait<2>();
+    else if (behind == 1)
+        cp_async_wait<1>();
+    else
+        cp_async_wait<0>();
+}
+
 /* Counters between CTAs (the persistent kernels' dependencies): an acquire
  * load, and a relaxed one to poll with (ld.acquire invalidates the SM's L1
  * each time it runs); the global timer for traces. */

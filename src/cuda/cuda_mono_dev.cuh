@@ -509,17 +509,6 @@ __device__ __forceinline__ WBuf<false> ring_read(const uint4 *mine_slot) {
     return b;
 }
 
-/* Wait until at most `behind` (0..2) cp.async groups issued after the one
- * wanted are pending. */
-__device__ __forceinline__ void ring_wait(int behind) {
-    if (behind >= 2)
-        cp_async_wait<2>();
-    else if (behind == 1)
-        cp_async_wait<1>();
-    else
-        cp_async_wait<0>();
-}
-
 /* gemv_rows over all K for bf16 weights (no split), with the
  * weights in a ring of SLOTS chunks in shared memory, SLOTS - 1 chunks
  * ahead, and the next chunk's activations in registers while this one's
