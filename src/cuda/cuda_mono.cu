@@ -75,9 +75,10 @@
  * gemv_chain chooses for the projections); at 2-8 rows (world 1, bf16) a
  * routed gate/up item covers three (2 rows) or four (3-8 rows, the
  * expert's members two at a time) 4-neuron tiles, every chunk of each
- * through the ring, the rows staged whole once (gu_walk). A chunk's products run as a loop over
- * its four pieces from 8 rows, and from 4 rows in every item but the
- * routed experts' (chunk_fma: the chain's code runs cold). Narrow matrices
+ * through the ring, the rows staged whole once (gu_walk). A chunk's
+ * products run as a loop over its four pieces from 8 rows, and from 4 rows
+ * in every item but the routed experts' (chunk_fma: the chain's code runs
+ * cold). Narrow matrices
  * (except the shared gate/up, off the chain) are split over K by the
  * rule the stock linear op used before its chunk groups (1024-column
  * slices; the count depends on the shape and the SM count, never on the

@@ -149,8 +149,8 @@ struct MonoArgs {
     int shdn_early;   /* M3_MONO_SHDN_EARLY: % of the shared down items queued early */
     int edn_sub;      /* M3_MONO_EDN_SUB: 8-column tiles per routed down item (1..8) */
     int shdn_sub;     /* 8-column tiles per shared down item (1: a tile and a K slice each) */
-    int egu_sub;      /* 4-neuron tiles per routed gate/up item (1-2 rows, 1:
-                       * gemv_rows, more: gu_walk; bf16 world 1 only) */
+    int egu_sub;      /* 4-neuron tiles per routed gate/up item (bf16 world 1, up to
+                       * 8 rows; at 1-2 rows 1: gemv_rows, more: gu_walk) */
     int egu_walk;     /* the 3-8-row bf16 world-1 kernels walk the routed gate/up
                        * (gu_walk, members two at a time): it fits */
     int poll_acquire; /* M3_MONO_POLL_ACQUIRE: every poll an acquire load (else relaxed

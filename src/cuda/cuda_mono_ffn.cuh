@@ -481,8 +481,10 @@ __host__ __device__ constexpr int enr_of(int NR) { return NR <= 1 ? 1 : (NR <= 2
  * bytes there, ptxas). The item count (mono_post_kernel), the items and
  * the routed down items' wait use it. */
 template <int NR, int V>
+constexpr bool kWalkKernel = NR <= 8 && !(V & (V_F8 | V_TP));
+template <int NR, int V>
 __device__ __forceinline__ int egu_sub_of(const MonoArgs &a) {
-    return NR <= 8 && !(V & (V_F8 | V_TP)) ? a.egu_sub : 1;
+    return kWalkKernel<NR, V> ? a.egu_sub : 1;
 }
 /* The 3-8-row bf16 world-1 kernels walk every routed gate/up item
  * (a.egu_walk: where it fits), their members two at a time: at 4 rows an
@@ -490,7 +492,7 @@ __device__ __forceinline__ int egu_sub_of(const MonoArgs &a) {
  * gemv_ring paid a ring fill and the item's start for 98 KB each (2,880
  * items of 10.9 us at 4 rows, thirty-first session's trace). */
 template <int NR, int V>
-constexpr bool kWalkGroups = NR > 2 && NR <= 8 && !(V & (V_F8 | V_TP));
+constexpr bool kWalkGroups = NR > 2 && kWalkKernel<NR, V>;
 __host__ __device__ __forceinline__ int egu_groups(int I, int sub) {
     return (I / 4 + sub - 1) / sub;
 }
