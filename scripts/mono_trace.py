@@ -13,7 +13,9 @@ with -DM3_MONO_MARKS have up to six mark columns (times inside each item:
 each GEMV chunk's activations staged and, from 2026-12-01's fourteenth
 session, warp 0's products of it done; a routed down item's
 activations staged (from the thirty-first session), its outputs written,
-its combine arrival): their medians, in µs after the item's
+its combine arrival; from the thirty-second session, a norm's
+(norm1, norm2) copies landed, its sum of squares, its rows written):
+their medians, in µs after the item's
 inputs were ready, are printed under each kind, for all items and split
 into CTAs' first items of the kind and their later ones.
 """

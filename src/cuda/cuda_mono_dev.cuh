@@ -569,19 +569,21 @@ __device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
 }
 
 /* A chain item's GEMV (the projections, o_proj): gemv_rows, or in the
- * 3-4-row kernels (NR 4) gemv_ring where it applies -- the item's slice is
- * all of K ([k0, k1) = [0, K)), bf16 weights, not faulted -- so the next
- * chunks are asked for before the wait: there a chunk's products no longer
- * hide behind the one chunk gemv_rows has in flight (twenty-eighth and
- * twenty-ninth sessions). xs and the ring share dsm. wait_c, wait_n: the
- * activations' counter, as both. */
+ * one-row and 3-4-row kernels (NR 1, 4) gemv_ring where it applies -- the
+ * item's slice is all of K ([k0, k1) = [0, K)), bf16 weights, not faulted
+ * -- so the next chunks are asked for before the wait: there a chunk's
+ * products no longer hide behind the one chunk gemv_rows has in flight
+ * (twenty-eighth and twenty-ninth sessions; at one row it is o_proj's
+ * first wave that gains, −2% at 32K-128K; at 2 rows the ring was +0.5 to
+ * +1.2%: thirty-second session). xs and the ring share dsm. wait_c,
+ * wait_n: the activations' counter, as both. */
 template <int NR, int V>
 __device__ __forceinline__ void gemv_chain(float (&acc)[kRW][NR], const WMat &m, int64_t n0,
                                            int64_t N, int K, int k0, int k1,
                                            const uint16_t *const *rowp, int rows,
                                            unsigned char *dsm, bool faulted,
                                            const unsigned *wait_c, unsigned wait_n) {
-    if constexpr (NR == 4) {
+    if constexpr (NR == 1 || NR == 4) {
         if (!faulted && k0 == 0 && k1 == K && !((V & V_F8) && m.fp8)) {
             gemv_ring<NR>(acc, wrow_of(m), n0, N, K, rowp, rows,
                           reinterpret_cast<uint16_t *>(dsm),
@@ -756,6 +758,7 @@ __device__ void norm_row(const MonoArgs &a, Ctl &ctl, uint16_t *res, bool has_ad
     }
     cp_async_commit();
     cp_async_wait<0>();
+    mark(); /* norm: thread 0's copies landed */
     /* each thread reads back only what it copied itself until the sum's
      * barriers */
     for (int v = threadIdx.x; v < nvec; v += kThreads) {
@@ -779,6 +782,7 @@ __device__ void norm_row(const MonoArgs &a, Ctl &ctl, uint16_t *res, bool has_ad
             ss += (double)f[j] * (double)f[j];
     }
     ss = block_sum_d(ss, ctl);
+    mark(); /* norm: the sum of squares */
     float ms = (float)(ss / (double)a.H);
     float rs = 1.0f / sqrtf(ms + a.eps);
     for (int v = threadIdx.x; v < nvec; v += kThreads) {
@@ -791,6 +795,7 @@ __device__ void norm_row(const MonoArgs &a, Ctl &ctl, uint16_t *res, bool has_ad
         ov[v] = pack8(x);
     }
     __syncthreads(); /* dsm is free again for the next item */
+    mark(); /* norm: written */
 }
 
 } // namespace
