@@ -14,7 +14,8 @@ each GEMV chunk's activations staged and, from 2026-12-01's fourteenth
 session, warp 0's products of it done; a routed down item's
 activations staged (from the thirty-first session), its outputs written,
 its combine arrival; from the thirty-second session, a norm's
-(norm1, norm2) copies landed, its sum of squares, its rows written):
+(norm1, norm2) copies landed, its sum of squares, its rows written;
+the selection's scores staged, its threshold, its ids compacted):
 their medians, in µs after the item's
 inputs were ready, are printed under each kind, for all items and split
 into CTAs' first items of the kind and their later ones.

@@ -36,10 +36,13 @@ __device__ void select_one(const MonoArgs &a, unsigned char *dsm, int t, int ite
         __syncthreads();
         sc = st;
     }
+    mark(); /* selection: the scores staged */
     if (room > 0) {
         uint64_t thr = sel_threshold<kThreads>(sc, init_end, local_begin, (unsigned)room, sh);
+        mark(); /* selection: the threshold */
         int got =
             sel_compact<kThreads>(sc, init_end, local_begin, thr, room, out + init_end, sh);
+        mark(); /* selection: the ids compacted */
         for (int i = got + threadIdx.x; i < room; i += kThreads)
             out[init_end + i] = -1;
     }
