@@ -22,9 +22,9 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     const int warp = threadIdx.x >> 5;
     float acc[kRW][NR];
     /* attention waited for inside, once the first chunk's weights are asked
-     * for (not in the item loop: post_dep); at 3-4 rows through the ring
-     * (gemv_chain: the first wave's second chunk landed 5 us after its first
-     * at 4 rows, twenty-eighth session's marks) */
+     * for (not in the item loop: post_dep); at one row and 3-4 rows through
+     * the ring (gemv_chain: the first wave's second chunk landed 5 us after
+     * its first at 4 rows, twenty-eighth session's marks) */
     gemv_chain<NR, V>(acc, a.wo, tile * kTile + warp * kRW, a.H, KQ, k0, k1, ctl.rowp, a.T, dsm,
                       faulted, &a.ctr[C_ATT], (unsigned)(a.T * a.Nq));
     mark(); /* the slice's products summed (warp sums) */

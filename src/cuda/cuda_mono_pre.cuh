@@ -152,8 +152,8 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     const int vr = tile * kTile + warp * kRW; /* this warp's first virtual row */
     float acc[kRW][NR];
     /* norm1 waited for inside, once the first chunk's weights are asked for
-     * (the first wave of items waits ~6 us for it at one row); at 3-4 rows
-     * q, k and v (unsplit, bf16) through the ring (gemv_chain) */
+     * (the first wave of items waits ~6 us for it at one row); at one row
+     * and 3-4 rows q, k and v (unsplit, bf16) through the ring (gemv_chain) */
     gemv_chain<NR, V>(acc, *m, vr - base, m->n, a.H, k0, k1, ctl.rowp, a.T, dsm, faulted,
                       &a.ctr[C_NORM1], (unsigned)a.T + 1u);
     mark(); /* the slice's products summed (warp sums) */
