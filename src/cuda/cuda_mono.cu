@@ -70,15 +70,15 @@
  * chunk and the weights are bf16, these walk their tiles with the next two
  * tiles' weights in a shared-memory ring (cp.async; a second register
  * buffer spills), and the 16-row kernel's routed gate/up items (4-row
- * groups) and, in the 1- and 3-4-row kernels, the unsplit bf16 projections
- * (q, k, v, o) stream their chunks through the same ring (down_walk, gemv_ring;
- * gemv_chain chooses for the projections); at 2-8 rows (world 1, bf16) a
- * routed gate/up item covers three (2 rows) or four (3-8 rows, the
- * expert's members two at a time) 4-neuron tiles, every chunk of each
- * through the ring, the rows staged whole once (gu_walk). A chunk's
- * products run as a loop over its four pieces from 8 rows, and from 4 rows
- * in every item but the routed experts' (chunk_fma: the chain's code runs
- * cold). Narrow matrices
+ * groups) and, in the 1- and 3-4-row kernels, the unsplit bf16
+ * projections (q, k, v, o) stream their chunks through the same ring
+ * (down_walk, gemv_ring; gemv_chain chooses for the projections); at 2-8
+ * rows (world 1, bf16) a routed gate/up item covers three (2 rows) or
+ * four (3-8 rows, the expert's members two at a time) 4-neuron tiles,
+ * every chunk of each through the ring, the rows staged whole once
+ * (gu_walk). A chunk's products run as a loop over its four pieces from 8
+ * rows, and from 4 rows in every item but the routed experts' (chunk_fma:
+ * the chain's code runs cold). Narrow matrices
  * (except the shared gate/up, off the chain) are split over K by the
  * rule the stock linear op used before its chunk groups (1024-column
  * slices; the count depends on the shape and the SM count, never on the

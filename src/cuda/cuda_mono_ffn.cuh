@@ -472,6 +472,11 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
 /* Member rows per routed group in the NR-row kernels. */
 __host__ __device__ constexpr int enr_of(int NR) { return NR <= 1 ? 1 : (NR <= 2 ? 2 : 4); }
 
+/* The kernels whose routed gate/up items may walk (gu_walk): bf16,
+ * world 1, up to 8 rows (egu_sub_of, kWalkGroups). */
+template <int NR, int V>
+constexpr bool kWalkKernel = NR <= 8 && !(V & (V_F8 | V_TP));
+
 /* 4-neuron tiles per routed gate/up item in the NR-row kernel: a.egu_sub
  * (the host sets 1 where gu_walk does not apply: fp8 weights, or whole
  * rows and two ring slots over the shared memory) in the bf16 world-1
@@ -480,8 +485,6 @@ __host__ __device__ constexpr int enr_of(int NR) { return NR <= 1 ? 1 : (NR <= 2
  * and in the fp8 and world > 1 kernels (the walk's code spilled 40-116
  * bytes there, ptxas). The item count (mono_post_kernel), the items and
  * the routed down items' wait use it. */
-template <int NR, int V>
-constexpr bool kWalkKernel = NR <= 8 && !(V & (V_F8 | V_TP));
 template <int NR, int V>
 __device__ __forceinline__ int egu_sub_of(const MonoArgs &a) {
     return kWalkKernel<NR, V> ? a.egu_sub : 1;
