@@ -29,6 +29,50 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool fill
                  : "memory");
 }
 
+/* An L2 eviction policy for data read once per step (the weights): first
+ * out, so the 200+ MB a step streams through the 50 MB L2 do not evict
+ * what the step reads again (counters, partial sums, activations, the
+ * kernels' code): -5 to -9% at 1-8 rows, 4K (docs/PERF.md, thirty-third
+ * session). */
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t p;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+
+/* cp_async16 with an L2 cache policy (l2_evict_first); the zero fill (fill
+ * false, nothing read) takes the plain form. Used only where the GPU tests
+ * run it: in the index items' page copy nvcc 13.0 compiled this copy to an
+ * LDGSTS whose descriptor was an odd uniform register (desc[UR1], the
+ * shared address [R+UR0]), and the kernel stopped with an illegal
+ * instruction (thirty-third session). */
+__device__ __forceinline__ void cp_async16_pol(void *dst, const void *src, bool fill,
+                                               uint64_t pol) {
+    if (fill)
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(
+                         smem_u32(dst)),
+                     "l"(src), "l"(pol)
+                     : "memory");
+    else
+        cp_async16(dst, src, false);
+}
+
+/* 16 / 8 read-only bytes with an L2 cache policy */
+__device__ __forceinline__ uint4 ldg16_pol(const void *p, uint64_t pol) {
+    uint4 v;
+    asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(pol));
+    return v;
+}
+__device__ __forceinline__ uint2 ldg8_pol(const void *p, uint64_t pol) {
+    uint2 v;
+    asm volatile("ld.global.nc.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(p), "l"(pol));
+    return v;
+}
+
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

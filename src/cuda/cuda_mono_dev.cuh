@@ -303,12 +303,11 @@ __device__ __forceinline__ void chunk_load(WBuf<FP8> &b, const WRow &W, int64_t 
             bool ok = n0 + r < N && k < kn;
             if constexpr (FP8) {
                 const uint8_t *row = W.w + (n0 + r) * W.w_row + kc + k;
-                b.wv[r][u] = ok ? __ldg(reinterpret_cast<const uint2 *>(row)) : make_uint2(0, 0);
+                b.wv[r][u] = ok ? ldg8_pol(row, l2_evict_first()) : make_uint2(0, 0);
                 b.sc[r][u] = ok ? m3_e8m0(W.s[(n0 + r) * W.s_row + (kc + k) / 32]) : 0.0f;
             } else {
                 const uint8_t *row = W.w + (n0 + r) * W.w_row + (int64_t)(kc + k) * 2;
-                b.wv[r][u] =
-                    ok ? __ldg(reinterpret_cast<const uint4 *>(row)) : make_uint4(0, 0, 0, 0);
+                b.wv[r][u] = ok ? ldg16_pol(row, l2_evict_first()) : make_uint4(0, 0, 0, 0);
             }
         }
 }
@@ -492,8 +491,9 @@ __device__ __forceinline__ void ring_issue(uint4 *mine, const WRow &W, int64_t n
         for (int u = 0; u < kKU; u++) {
             const int k = lane * 8 + u * 256;
             const bool ok = n0 + r < N && k < kn;
-            cp_async16(mine + (r * kKU + u) * 32,
-                       ok ? W.w + (n0 + r) * W.w_row + (int64_t)(kc + k) * 2 : W.w, ok);
+            cp_async16_pol(mine + (r * kKU + u) * 32,
+                           ok ? W.w + (n0 + r) * W.w_row + (int64_t)(kc + k) * 2 : W.w, ok,
+                           l2_evict_first());
         }
     cp_async_commit();
 }
@@ -665,6 +665,19 @@ __device__ __forceinline__ void acc_to_fin(const float (&acc)[kRW][NR], Ctl &ctl
     __syncthreads();
 }
 
+/* A K slice's tile of partial sums (acc, the warp sums' layout) to its slot
+ * (kTile x kMaxT floats) for the tile's last arriver. */
+template <int NR>
+__device__ __forceinline__ void partial_put(const float (&acc)[kRW][NR], float *slot) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < kRW; r++)
+#pragma unroll
+        for (int t = 0; t < NR; t++)
+            if ((r * NR + t) % 32 == lane)
+                slot[(warp * kRW + r) * kMaxT + t] = acc[r][t];
+}
+
 /* K slice `slice` of s of a tile: with s == 1 the sums go to ctl.fin; else
  * to the tile's partial slot, and the tile's last slice sums all slots in
  * slice order into ctl.fin. Returns true in the CTA holding ctl.fin. */
@@ -677,14 +690,7 @@ __device__ bool split_reduce(const float (&acc)[kRW][NR], int s, int slice, int 
     }
     if (stride < s)
         stride = s; /* slots per tile in part */
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float *mine = part + ((size_t)tile * stride + slice) * (kTile * kMaxT);
-#pragma unroll
-    for (int r = 0; r < kRW; r++)
-#pragma unroll
-        for (int t = 0; t < NR; t++)
-            if ((r * NR + t) % 32 == lane)
-                mine[(warp * kRW + r) * kMaxT + t] = acc[r][t];
+    partial_put<NR>(acc, part + ((size_t)tile * stride + slice) * (kTile * kMaxT));
     if (!arrive(tile_ctr + tile, (unsigned)s, ctl))
         return false;
     for (int i = threadIdx.x; i < kTile * NR; i += kThreads) {

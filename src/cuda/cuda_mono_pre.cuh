@@ -17,8 +17,11 @@ enum { HK_IQ = 0, HK_IK, HK_K, HK_V, HK_Q };
  * RoPE at the row's position, rounded once (V: as projected), written back;
  * k, v and ik also to the cache at the row's slot. The stock
  * head_norm_rope arithmetic; one warp per row, lane l owns dims 4l..4l+3.
- * dsm: per warp 128 + 2 * 64 floats. */
-__device__ void head_epilogue(const MonoArgs &a, unsigned char *dsm, int hh, bool faulted) {
+ * dsm: per warp 128 + 2 * 64 floats. The rows come from a.proj, or from
+ * `staged` (shared memory, T x 128 bf16: head_sum's). */
+constexpr int kEpiSmem = kWarps * (kHD + 2 * kMaxHalf) * 4;
+__device__ void head_epilogue(const MonoArgs &a, unsigned char *dsm, int hh, bool faulted,
+                              const uint16_t *staged = nullptr) {
     int kind, g = 0;
     const uint16_t *w = nullptr;
     uint16_t *cache = nullptr;
@@ -43,10 +46,19 @@ __device__ void head_epilogue(const MonoArgs &a, unsigned char *dsm, int hh, boo
     const int64_t limit = a.n_pages * M3_PAGE;
     for (int t = warp; t < a.T; t += kWarps) {
         uint16_t *row = a.proj + (size_t)t * a.Ntot + (size_t)hh * kHD;
-        uint2 raw = __ldcg(reinterpret_cast<const uint2 *>(row) + lane);
+        uint2 raw = staged ? reinterpret_cast<const uint2 *>(staged + (size_t)t * kHD)[lane]
+                           : __ldcg(reinterpret_cast<const uint2 *>(row) + lane);
         float x[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
                       __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u)};
         uint2 outv = raw;
+        /* the RoPE factors tabled by rope_item (this item's GEMV waited
+         * for its signal with norm1's), asked for with the row: half <= 64 */
+        const float2 *f = reinterpret_cast<const float2 *>(a.rope) + t * kMaxHalf;
+        float2 cs0 = make_float2(0.0f, 0.0f), cs1 = cs0;
+        if (kind != HK_V && lane < a.half)
+            cs0 = __ldcg(f + lane);
+        if (kind != HK_V && lane + 32 < a.half)
+            cs1 = __ldcg(f + lane + 32);
         mark(); /* (warp 0, row 0) the head's row loaded */
         if (kind != HK_V) {
             double ss = 0.0;
@@ -59,14 +71,8 @@ __device__ void head_epilogue(const MonoArgs &a, unsigned char *dsm, int hh, boo
                 y[j] = __fmul_rn(__fmul_rn(x[j], r), wp1[j]);
                 sy[lane * 4 + j] = y[j];
             }
-            /* the RoPE factors tabled by rope_item (this item's GEMV waited
-             * for its signal with norm1's) */
-            const float2 *f = reinterpret_cast<const float2 *>(a.rope) + t * kMaxHalf;
-            for (int i = lane; i < a.half; i += 32) {
-                const float2 cs = __ldcg(f + i);
-                scs[i] = cs.x;
-                ssn[i] = cs.y;
-            }
+            scs[lane] = cs0.x, ssn[lane] = cs0.y;
+            scs[lane + 32] = cs1.x, ssn[lane + 32] = cs1.y;
             __syncwarp();
             mark(); /* normed, and the RoPE factors computed */
             for (int j = 0; j < 4; j++) {
@@ -129,6 +135,31 @@ __device__ void norm1_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
     signal_count(&a.ctr[C_NORM1]);
 }
 
+/* Head hh of a split matrix, every row: each output the sum of its tile's
+ * s slot partials in slice order (split_reduce's sums, the same bits),
+ * rounded to bf16 into `rows` (shared memory, T x 128). */
+static_assert(kEpiSmem + kMaxT * kHD * 2 <= kAttnSmem, "head_sum's rows after the epilogue's");
+__device__ void head_sum(const MonoArgs &a, int hh, int s, uint16_t *rows) {
+    const int tile0 = hh * (kHD / kTile), stride = max(a.s_pmax, s);
+    for (int i = threadIdx.x; i < kHD * a.T; i += kThreads) {
+        const int d = i / a.T, t = i % a.T, tile = tile0 + d / kTile, r = d % kTile;
+        const float *src = a.part_proj + (size_t)tile * stride * (kTile * kMaxT) + r * kMaxT + t;
+        float v = 0.0f;
+        for (int k0 = 0; k0 < s; k0 += 8) { /* 8 slots' loads in flight, summed in order */
+            float pv[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                pv[k] = k0 + k < s ? __ldcg(src + (size_t)(k0 + k) * (kTile * kMaxT)) : 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                if (k0 + k < s)
+                    v += pv[k];
+        }
+        rows[t * kHD + d] = m3_to_bf(v);
+    }
+    __syncthreads();
+}
+
 /* Projection item: a tile of the virtual matrix [iq; ik; k; v; q] (the
  * columns of a.proj) and a K slice, in matrix order (iq and ik first: the
  * indexer waits for them), in a.s_p[matrix] K slices: the stock GEMV's
@@ -157,6 +188,24 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     gemv_chain<NR, V>(acc, *m, vr - base, m->n, a.H, k0, k1, ctl.rowp, a.T, dsm, faulted,
                       &a.ctr[C_NORM1], (unsigned)a.T + 1u);
     mark(); /* the slice's products summed (warp sums) */
+    const int hh = tile * kTile / kHD;
+    if (s > 1) {
+        /* split (iq, ik): the partial to its slot and one arrival a head
+         * (16 tiles x s slices); the head's last arriver sums its slots into
+         * the epilogue: no per-tile arrival, tile write and row reload (two
+         * round trips on the index heads' chain) */
+        partial_put<NR>(acc, a.part_proj + ((size_t)tile * max(a.s_pmax, s) + slice) *
+                                               (kTile * kMaxT));
+        if (!arrive(a.ctr + a.o_head + hh, (unsigned)(kHD / kTile * s), ctl))
+            return;
+        uint16_t *rows = reinterpret_cast<uint16_t *>(dsm + kEpiSmem);
+        head_sum(a, hh, s, rows);
+        mark(); /* the head's slots summed; its epilogue next */
+        head_epilogue(a, dsm, hh, fault_now(a, ctl), rows);
+        if (hh <= a.Ni)
+            signal_count(&a.ctr[C_IDX]);
+        return;
+    }
     /* partial slots: s_pmax per tile whatever the matrix's own split */
     const bool last = split_reduce<NR>(acc, s, slice, tile, a.part_proj, a.ctr + a.o_ptile, ctl,
                                        a.s_pmax);
@@ -167,7 +216,6 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
         int r = i / a.T, t = i % a.T;
         a.proj[(size_t)t * a.Ntot + tile * kTile + r] = m3_to_bf(ctl.fin[r][t]);
     }
-    const int hh = tile * kTile / kHD;
     if (!arrive(a.ctr + a.o_head + hh, kHD / kTile, ctl))
         return;
     /* no cache writes once a fault is set (read again: this CTA may have

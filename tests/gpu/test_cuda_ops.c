@@ -421,8 +421,10 @@ static void test_index_scores(void) {
 /* ------------------------------------------------------------ select_blocks */
 
 /* select_case's scores: false, few distinct values (ties); true, spread
- * (random floats, some NaN and -inf) */
-static bool g_sel_spread;
+ * (random floats, some NaN and -inf); g_sel_equal, one value for every
+ * visible block (the keys differ only in the block id: the radix select
+ * skips 32 shared bits and more) */
+static bool g_sel_spread, g_sel_equal;
 
 static void select_case(const char *what, const m3_select_params *p, int n_reqs, const int *lens,
                         const int *ql, int heads, int max_blocks) {
@@ -442,6 +444,7 @@ static void select_case(const char *what, const m3_select_params *p, int n_reqs,
             /* few distinct values (ties), NaN, -inf; past the visible
              * blocks a large score the op must ignore */
             sc[k] = b >= nb                  ? 1e30f
+                    : g_sel_equal            ? 0.75f
                     : u == 0                 ? NAN
                     : u == 1                 ? -INFINITY
                     : g_sel_spread           ? (float)rng_below(1 << 20) / 4096.0f - 128.0f
@@ -496,7 +499,20 @@ static void test_select_blocks(void) {
             select_case(spread ? "long rows, spread" : "long rows, ties", &rooms[r], 4, llen, lql,
                         2, 2048);
     }
-    g_sel_spread = false;
+    /* rows longer than one compaction chunk of the stock kernel (8 rounds
+     * of 512 candidates) and than its staged scores (96 KiB: 24,576
+     * blocks), and every visible score equal */
+    int xlen[3] = {4100 * PAGE + 9, 9000 * PAGE, 30000 * PAGE - 1}, xql[3] = {1, 1, 1};
+    for (int mode = 0; mode < 3; mode++) {
+        g_sel_spread = mode == 1, g_sel_equal = mode == 2;
+        for (int r = 0; r < 3; r += 2)
+            select_case(mode == 0   ? "very long rows, ties"
+                        : mode == 1 ? "very long rows, spread"
+                                    : "very long rows, equal",
+                        &rooms[r], 3, xlen, xql, 2, 30000);
+    }
+    select_case("long rows, equal", &rooms[1], 4, llen, lql, 2, 2048);
+    g_sel_spread = g_sel_equal = false;
 }
 
 /* ------------------------------------------------------------ attention */
