@@ -652,30 +652,47 @@ __device__ void gemv_rows_f32(float (&acc)[kRW][NR], const float *w, int64_t n0,
     acc_warp_sums<NR>(acc, rows);
 }
 
-/* acc (every lane holds the warp's sums) -> ctl.fin[warp * 2 + r][t] */
-template <int NR>
-__device__ __forceinline__ void acc_to_fin(const float (&acc)[kRW][NR], Ctl &ctl) {
+/* A tile's sums (acc: every lane holds its warp's), each stored once:
+ * store(row of the tile, t, value) by one lane of the row's warp. */
+template <int NR, class Store>
+__device__ __forceinline__ void acc_each(const float (&acc)[kRW][NR], Store store) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int r = 0; r < kRW; r++)
 #pragma unroll
         for (int t = 0; t < NR; t++)
             if ((r * NR + t) % 32 == lane)
-                ctl.fin[warp * kRW + r][t] = acc[r][t];
+                store(warp * kRW + r, t, acc[r][t]);
+}
+
+/* acc -> a K slice's partial slot (kTile x kMaxT floats, [row][t]) */
+template <int NR>
+__device__ __forceinline__ void partial_put(const float (&acc)[kRW][NR], float *slot) {
+    acc_each<NR>(acc, [&](int row, int t, float v) { slot[row * kMaxT + t] = v; });
+}
+
+/* acc -> ctl.fin[warp * 2 + r][t], for the whole CTA */
+template <int NR>
+__device__ __forceinline__ void acc_to_fin(const float (&acc)[kRW][NR], Ctl &ctl) {
+    acc_each<NR>(acc, [&](int row, int t, float v) { ctl.fin[row][t] = v; });
     __syncthreads();
 }
 
-/* A K slice's tile of partial sums (acc, the warp sums' layout) to its slot
- * (kTile x kMaxT floats) for the tile's last arriver. */
-template <int NR>
-__device__ __forceinline__ void partial_put(const float (&acc)[kRW][NR], float *slot) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+/* The sum of s slot values src[k * stride] (k < s) in slot order, 8 loads
+ * in flight: a tile's or a head's K slices (split_reduce, head_sum). */
+__device__ __forceinline__ float slots_sum(const float *src, int s, size_t stride) {
+    float v = 0.0f;
+    for (int k0 = 0; k0 < s; k0 += 8) {
+        float pv[8];
 #pragma unroll
-    for (int r = 0; r < kRW; r++)
+        for (int k = 0; k < 8; k++)
+            pv[k] = k0 + k < s ? __ldcg(src + (size_t)(k0 + k) * stride) : 0.0f;
 #pragma unroll
-        for (int t = 0; t < NR; t++)
-            if ((r * NR + t) % 32 == lane)
-                slot[(warp * kRW + r) * kMaxT + t] = acc[r][t];
+        for (int k = 0; k < 8; k++)
+            if (k0 + k < s)
+                v += pv[k];
+    }
+    return v;
 }
 
 /* K slice `slice` of s of a tile: with s == 1 the sums go to ctl.fin; else
@@ -696,18 +713,7 @@ __device__ bool split_reduce(const float (&acc)[kRW][NR], int s, int slice, int 
     for (int i = threadIdx.x; i < kTile * NR; i += kThreads) {
         int r = i / NR, t = i % NR;
         const float *src = part + (size_t)tile * stride * (kTile * kMaxT) + r * kMaxT + t;
-        float v = 0.0f;
-        for (int k0 = 0; k0 < s; k0 += 8) { /* 8 slots' loads in flight, summed in order */
-            float pv[8];
-#pragma unroll
-            for (int k = 0; k < 8; k++)
-                pv[k] = k0 + k < s ? __ldcg(src + (size_t)(k0 + k) * (kTile * kMaxT)) : 0.0f;
-#pragma unroll
-            for (int k = 0; k < 8; k++)
-                if (k0 + k < s)
-                    v += pv[k];
-        }
-        ctl.fin[r][t] = v;
+        ctl.fin[r][t] = slots_sum(src, s, kTile * kMaxT);
     }
     __syncthreads();
     return true;

@@ -144,18 +144,7 @@ __device__ void head_sum(const MonoArgs &a, int hh, int s, uint16_t *rows) {
     for (int i = threadIdx.x; i < kHD * a.T; i += kThreads) {
         const int d = i / a.T, t = i % a.T, tile = tile0 + d / kTile, r = d % kTile;
         const float *src = a.part_proj + (size_t)tile * stride * (kTile * kMaxT) + r * kMaxT + t;
-        float v = 0.0f;
-        for (int k0 = 0; k0 < s; k0 += 8) { /* 8 slots' loads in flight, summed in order */
-            float pv[8];
-#pragma unroll
-            for (int k = 0; k < 8; k++)
-                pv[k] = k0 + k < s ? __ldcg(src + (size_t)(k0 + k) * (kTile * kMaxT)) : 0.0f;
-#pragma unroll
-            for (int k = 0; k < 8; k++)
-                if (k0 + k < s)
-                    v += pv[k];
-        }
-        rows[t * kHD + d] = m3_to_bf(v);
+        rows[t * kHD + d] = m3_to_bf(slots_sum(src, s, kTile * kMaxT));
     }
     __syncthreads();
 }
