@@ -52,7 +52,8 @@ __device__ void head_epilogue(const MonoArgs &a, unsigned char *dsm, int hh, boo
                       __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u)};
         uint2 outv = raw;
         /* the RoPE factors tabled by rope_item (this item's GEMV waited
-         * for its signal with norm1's), asked for with the row: half <= 64 */
+         * for its signal with norm1's), asked for with the row: two a lane */
+        static_assert(kMaxHalf <= 64, "a lane loads factors lane and lane + 32");
         const float2 *f = reinterpret_cast<const float2 *>(a.rope) + t * kMaxHalf;
         float2 cs0 = make_float2(0.0f, 0.0f), cs1 = cs0;
         if (kind != HK_V && lane < a.half)

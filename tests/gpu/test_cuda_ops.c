@@ -423,7 +423,7 @@ static void test_index_scores(void) {
 /* select_case's scores: false, few distinct values (ties); true, spread
  * (random floats, some NaN and -inf); g_sel_equal, one value for every
  * visible block (the keys differ only in the block id: the radix select
- * skips 32 shared bits and more) */
+ * finds one bucket in each of its first four passes) */
 static bool g_sel_spread, g_sel_equal;
 
 static void select_case(const char *what, const m3_select_params *p, int n_reqs, const int *lens,
@@ -499,9 +499,9 @@ static void test_select_blocks(void) {
             select_case(spread ? "long rows, spread" : "long rows, ties", &rooms[r], 4, llen, lql,
                         2, 2048);
     }
-    /* rows longer than one compaction chunk of the stock kernel (8 rounds
-     * of 512 candidates) and than its staged scores (96 KiB: 24,576
-     * blocks), and every visible score equal */
+    /* rows of 8-59 rounds of the stock kernel's 512 threads, the longest
+     * past its staged scores (96 KiB: 24,576 blocks, so read from global
+     * memory), and every visible score equal */
     int xlen[3] = {4100 * PAGE + 9, 9000 * PAGE, 30000 * PAGE - 1}, xql[3] = {1, 1, 1};
     for (int mode = 0; mode < 3; mode++) {
         g_sel_spread = mode == 1, g_sel_equal = mode == 2;
