@@ -65,6 +65,11 @@ __device__ __forceinline__ uint4 ldg16_pol(const void *p, uint64_t pol) {
                  : "l"(p), "l"(pol));
     return v;
 }
+__device__ __forceinline__ float4 ldg16f_pol(const float *p, uint64_t pol) {
+    const uint4 v = ldg16_pol(p, pol);
+    return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
+                       __uint_as_float(v.w));
+}
 __device__ __forceinline__ uint2 ldg8_pol(const void *p, uint64_t pol) {
     uint2 v;
     asm volatile("ld.global.nc.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"

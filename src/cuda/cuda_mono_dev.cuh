@@ -616,7 +616,7 @@ __device__ void gemv_rows_f32(float (&acc)[kRW][NR], const float *w, int64_t n0,
             for (int u = 0; u < kKC / 128; u++) {
                 int k = u * 128 + lane * 4;
                 wv[r][u] = n < N && k < kn
-                               ? __ldg(reinterpret_cast<const float4 *>(w + n * K + kc + k))
+                               ? ldg16f_pol(w + n * K + kc + k, l2_evict_first())
                                : make_float4(0, 0, 0, 0);
             }
         }
