@@ -5,7 +5,10 @@
  * in flight: every warp owns GEMV_R output rows and walks K with 8 elements
  * per lane per load, GEMV_U loads deep; the T activation rows are staged in
  * shared memory a chunk of K at a time and shared by all warps of the CTA.
- * Weights are bf16 or MXFP8 (e4m3 + one power-of-two scale per 32 columns).
+ * Weights are bf16 or MXFP8 (e4m3 + one power-of-two scale per 32 columns),
+ * read under the L2 evict-first policy (l2_evict_first): a step streams far
+ * more weight bytes than L2 holds, and they should not evict what it reads
+ * again (activations, norm weights, cache pages of the next op).
  *
  * The same core serves the dense linear op (cuda_linear.cu) and the MoE
  * experts (cuda_moe.cu), whose rows are gathered through a member list and
@@ -17,6 +20,7 @@
 
 #include <cuda_fp8.h>
 
+#include "cuda/cuda_async.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/cuda_ksum.cuh"
 
@@ -83,6 +87,7 @@ __device__ __forceinline__ void gemv_chunk_bf16(float (&acc)[GEMV_R][T], const g
                                                 const uint16_t *xs, int lane, int rows,
                                                 Step after_step) {
     uint4 wv[GEMV_R][GEMV_U];
+    const uint64_t pol = l2_evict_first();
 #pragma unroll
     for (int r = 0; r < GEMV_R; r++)
 #pragma unroll
@@ -90,7 +95,7 @@ __device__ __forceinline__ void gemv_chunk_bf16(float (&acc)[GEMV_R][T], const g
             int k = lane * 8 + u * 256;
             bool ok = n0 + r < N && k < kn;
             const uint8_t *row = W.w + (n0 + r) * W.w_row + (int64_t)(kc + k) * 2;
-            wv[r][u] = ok ? __ldg(reinterpret_cast<const uint4 *>(row)) : make_uint4(0, 0, 0, 0);
+            wv[r][u] = ok ? ldg16_pol(row, pol) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
     for (int u = 0; u < GEMV_U; u++) {
@@ -131,6 +136,7 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_w
     if constexpr (FP8) {
         uint2 wv[GEMV_R][GEMV_U];
         float sc[GEMV_R][GEMV_U];
+        const uint64_t pol = l2_evict_first();
 #pragma unroll
         for (int r = 0; r < GEMV_R; r++)
 #pragma unroll
@@ -138,7 +144,7 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[GEMV_R][T], const gemv_w
                 int k = lane * 8 + u * 256;
                 bool ok = n0 + r < N && k < kn;
                 const uint8_t *row = W.w + (n0 + r) * W.w_row + kc + k;
-                wv[r][u] = ok ? __ldg(reinterpret_cast<const uint2 *>(row)) : make_uint2(0, 0);
+                wv[r][u] = ok ? ldg8_pol(row, pol) : make_uint2(0, 0);
                 sc[r][u] = ok ? m3_e8m0(W.s[(n0 + r) * W.s_row + (kc + k) / 32]) : 0.0f;
             }
 #pragma unroll

@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(GEMV_THREADS)
 #pragma unroll
         for (int u = 0; u < GEMV_KC / 128; u++) { /* all loads first: many in flight */
             int k = u * 128 + lane * 4;
-            wv[u] = k < kn ? __ldg(reinterpret_cast<const float4 *>(w + n * K + kc + k))
+            wv[u] = k < kn ? ldg16f_pol(w + n * K + kc + k, l2_evict_first())
                            : make_float4(0, 0, 0, 0);
         }
 #pragma unroll
