@@ -42,10 +42,12 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
 
 /* cp_async16 with an L2 cache policy (l2_evict_first); the zero fill (fill
  * false, nothing read) takes the plain form. Used only where the GPU tests
- * run it: in the index items' page copy nvcc 13.0 compiled this copy to an
- * LDGSTS whose descriptor was an odd uniform register (desc[UR1], the
- * shared address [R+UR0]), and the kernel stopped with an illegal
- * instruction (thirty-third session). */
+ * run it, and check the machine code (cuobjdump -sass: no LDGSTS with an
+ * odd desc[URn]): in the index items' page copy nvcc 13.0 compiled this
+ * copy to an LDGSTS whose descriptor was an odd uniform register
+ * (desc[UR1], the shared address [R+UR0]), and the kernel stopped with an
+ * illegal instruction (thirty-third session); cp_async16_pol_s is the
+ * form that compiles there. */
 __device__ __forceinline__ void cp_async16_pol(void *dst, const void *src, bool fill,
                                                uint64_t pol) {
     if (fill)
@@ -55,6 +57,16 @@ __device__ __forceinline__ void cp_async16_pol(void *dst, const void *src, bool 
                      : "memory");
     else
         cp_async16(dst, src, false);
+}
+
+/* cp_async16_pol's copy (always filled) to the shared address dst_s. Where
+ * the destination is a CTA-uniform base plus a thread's offset, take the
+ * base through a shuffle (idx_copy_page): ptxas then keeps the address in
+ * a per-thread register and the LDGSTS is well formed. */
+__device__ __forceinline__ void cp_async16_pol_s(uint32_t dst_s, const void *src, uint64_t pol) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst_s),
+                 "l"(src), "l"(pol)
+                 : "memory");
 }
 
 /* 16 / 8 read-only bytes with an L2 cache policy */

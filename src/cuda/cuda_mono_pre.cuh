@@ -251,14 +251,19 @@ __device__ void idx_pass(const MonoArgs &a, Ctl &ctl, const unsigned char *tile,
 }
 
 /* count keys of index cache page `page` into a staged tile at dst (row
- * stride idx_row_bytes()), cp.async, every thread its share */
+ * stride idx_row_bytes()), cp.async, every thread its share (every lane of
+ * the CTA calls it: the shuffle). Evict-first, as the weights: a step
+ * reads each page once, up to 32 MB a row at 128K, and at normal priority
+ * they evict what the weights' policy keeps. */
 __device__ __forceinline__ void idx_copy_page(const MonoArgs &a, int64_t page, int count,
                                               unsigned char *dst) {
     const unsigned char *src = reinterpret_cast<const unsigned char *>(a.ic + page * M3_PAGE * kHD);
     const int cpr = kHD / 8, rb = idx_row_bytes();
+    const uint64_t pol = l2_evict_first();
+    const uint32_t base = __shfl_sync(0xffffffffu, smem_u32(dst), 0);
     for (int c = threadIdx.x; c < count * cpr; c += kThreads) {
         int r = c / cpr, k = c - r * cpr;
-        cp_async16(dst + r * rb + k * 16, src + ((int64_t)r * kHD + k * 8) * 2, true);
+        cp_async16_pol_s(base + r * rb + k * 16, src + ((int64_t)r * kHD + k * 8) * 2, pol);
     }
 }
 
