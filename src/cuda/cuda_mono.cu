@@ -387,7 +387,6 @@ static void lay_counters(m3_cuda_mono *m) {
     int at = C_FIXED;
     /* the pre kernel's */
     m->o_head = at, at += m->nheads;
-    m->o_ptile = at, at += m->Ntot / kTile;
     m->o_idxq = at, at += R + 1; /* and the rows whose runs are all taken */
     /* the post kernel's */
     m->o_post = at;

@@ -138,7 +138,7 @@ struct MonoArgs {
     unsigned *ctr;
     unsigned *calls; /* layer calls so far (the landing tags; see mono_post_kernel) */
     int n_ctr, o_post; /* the post kernel's counters: [o_post, n_ctr) */
-    int o_head, o_ptile, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb;
+    int o_head, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb;
     int o_idxq; /* [kMaxT] index-score runs claimed per row, then a mask of the rows
                  * whose runs are all taken (M3_MONO_IDX_CLAIM) */
     int *fault;

@@ -17,7 +17,7 @@ struct m3_cuda_mono {
     size_t smem;        /* dynamic shared memory per CTA */
     int mtiles, S, s_p[2][5], p_item0[2][6], p_unsplit_from, s_pmax, s_o, s_rt, s_shgu, s_shdn, sel_staged;
     int Ntot, nheads, rt_tiles, n_ctr, o_post;
-    int o_head, o_ptile, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb, o_idxq;
+    int o_head, o_sel, o_att, o_otile, o_rtile, o_shgu, o_shdn, o_egu, o_comb, o_idxq;
     double inv_freq[m3mono::kMaxHalf];
     void *block;        /* every buffer below, one allocation */
     size_t block_bytes;

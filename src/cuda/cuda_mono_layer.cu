@@ -285,7 +285,6 @@ static void args_buffers(const m3_cuda_mono *m, const m3_step *st, const m3_cach
     a->n_ctr = m->n_ctr;
     a->o_post = m->o_post;
     a->o_head = m->o_head;
-    a->o_ptile = m->o_ptile;
     a->o_sel = m->o_sel;
     a->o_att = m->o_att;
     a->o_otile = m->o_otile;

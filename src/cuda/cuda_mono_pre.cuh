@@ -196,12 +196,9 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
             signal_count(&a.ctr[C_IDX]);
         return;
     }
-    /* partial slots: s_pmax per tile whatever the matrix's own split */
-    const bool last = split_reduce<NR>(acc, s, slice, tile, a.part_proj, a.ctr + a.o_ptile, ctl,
-                                       a.s_pmax);
-    mark(); /* the partial written and arrived (the last arriver: summed) */
-    if (!last)
-        return;
+    /* unsplit: the CTA holds the tile's sums */
+    acc_to_fin<NR>(acc, ctl);
+    mark(); /* the tile's sums in ctl.fin */
     for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
         int r = i / a.T, t = i % a.T;
         a.proj[(size_t)t * a.Ntot + tile * kTile + r] = m3_to_bf(ctl.fin[r][t]);
