@@ -137,13 +137,21 @@ __device__ void attn_load(const MonoArgs &a, const AttnCta &c, int i, unsigned c
     if (count <= 0)
         return;
     const uint16_t *ks = a.kc + elem, *vs = a.vc + elem;
+    /* evict-first, as the index pages (idx_copy_page: the base through a
+     * shuffle); the zero fill past a block's keys reads nothing */
+    const uint64_t pol = l2_evict_first();
+    const uint32_t base = __shfl_sync(0xffffffffu, smem_u32(stage), 0);
     for (int x = threadIdx.x; x < kAttnKeys * kCpr; x += kThreads) {
         int r = x / kCpr, k = x % kCpr;
-        bool in = r < count;
-        int64_t off = in ? (int64_t)r * kHD + k * 8 : 0;
-        unsigned char *dst = stage + r * kRowBytes + k * 16;
-        cp_async16(dst, ks + off, in);
-        cp_async16(dst + kTileBytes, vs + off, in);
+        const uint32_t dst = base + r * kRowBytes + k * 16;
+        if (r < count) {
+            const int64_t off = (int64_t)r * kHD + k * 8;
+            cp_async16_pol_s(dst, ks + off, pol);
+            cp_async16_pol_s(dst + kTileBytes, vs + off, pol);
+        } else {
+            cp_async16(stage + r * kRowBytes + k * 16, ks, false);
+            cp_async16(stage + r * kRowBytes + k * 16 + kTileBytes, vs, false);
+        }
     }
 }
 
