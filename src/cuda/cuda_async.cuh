@@ -69,6 +69,49 @@ __device__ __forceinline__ void cp_async16_pol_s(uint32_t dst_s, const void *src
                  : "memory");
 }
 
+/* Rows [0, count) of cpr 16-byte chunks each from src (rows src_row_bytes
+ * apart) into a shared stage at dst (rows dst_row_bytes apart), under the
+ * evict-first policy, threads [0, nthreads) each its share: the cache
+ * pages a step reads once (index keys; the copies of cuda_index.cu,
+ * cuda_cp.cu and the mono path's index items). Every lane of the CTA
+ * calls it (the shuffle). */
+__device__ __forceinline__ void cp_async_rows_ef(unsigned char *dst, int dst_row_bytes,
+                                                 const unsigned char *src, int64_t src_row_bytes,
+                                                 int count, int cpr, int nthreads) {
+    const uint64_t pol = l2_evict_first();
+    const uint32_t base = __shfl_sync(0xffffffffu, smem_u32(dst), 0);
+    for (int c = threadIdx.x; c < count * cpr; c += nthreads) {
+        const int r = c / cpr, k = c - r * cpr;
+        cp_async16_pol_s(base + r * dst_row_bytes + k * 16, src + r * src_row_bytes + k * 16, pol);
+    }
+}
+
+/* An attention block's K and V rows [0, count) of D bf16 elements (rows D
+ * apart at ks, vs) into a stage's K and V tiles (rows row_bytes apart, V
+ * tile_bytes after K), rows [count, keys) zero (nothing read), evict-first
+ * as cp_async_rows_ef (every lane of the CTA calls it). */
+template <int D>
+__device__ __forceinline__ void cp_async_kv_ef(unsigned char *stage, int row_bytes,
+                                               int tile_bytes, const uint16_t *ks,
+                                               const uint16_t *vs, int count, int keys,
+                                               int nthreads) {
+    constexpr int kCpr = D / 8;
+    const uint64_t pol = l2_evict_first();
+    const uint32_t base = __shfl_sync(0xffffffffu, smem_u32(stage), 0);
+    for (int x = threadIdx.x; x < keys * kCpr; x += nthreads) {
+        const int r = x / kCpr, k = x % kCpr;
+        if (r < count) {
+            const uint32_t dst = base + r * row_bytes + k * 16;
+            const int64_t off = (int64_t)r * D + k * 8;
+            cp_async16_pol_s(dst, ks + off, pol);
+            cp_async16_pol_s(dst + tile_bytes, vs + off, pol);
+        } else {
+            cp_async16(stage + r * row_bytes + k * 16, ks, false);
+            cp_async16(stage + r * row_bytes + k * 16 + tile_bytes, vs, false);
+        }
+    }
+}
+
 /* 16 / 8 read-only bytes with an L2 cache policy */
 __device__ __forceinline__ uint4 ldg16_pol(const void *p, uint64_t pol) {
     uint4 v;

@@ -76,11 +76,7 @@ __device__ int64_t req_len(const int32_t *lens, int i, int64_t max_seq_len, int 
 __device__ void load_page(const ScoreArgs &a, int64_t page, int count, unsigned char *dst) {
     const unsigned char *src =
         reinterpret_cast<const unsigned char *>(a.in.icache + page * kPage * kDim);
-    constexpr int cpr = kDim / 8;
-    for (int c = threadIdx.x; c < count * cpr; c += kScoreThreads) {
-        int r = c / cpr, k = c - r * cpr;
-        cp_async16(dst + r * kRowBytes + k * 16, src + ((int64_t)r * kDim + k * 8) * 2, true);
-    }
+    cp_async_rows_ef(dst, kRowBytes, src, kDim * 2, count, kDim / 8, kScoreThreads);
 }
 
 /* Scores of one owned block (global g, slot l) for every (row j, head h) of

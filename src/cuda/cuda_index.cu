@@ -112,11 +112,8 @@ __device__ void idx_load(const IndexArgs &a, const RowView &rv, int b, unsigned 
         return;
     const unsigned char *src =
         reinterpret_cast<const unsigned char *>(a.icache + page * M3_PAGE * a.dim);
-    int cpr = a.dim / 8, rb = idx_row_bytes(a.dim);
-    for (int c = threadIdx.x; c < count * cpr; c += kIdxThreads) {
-        int r = c / cpr, k = c - r * cpr;
-        cp_async16(dst + r * rb + k * 16, src + ((int64_t)r * a.dim + k * 8) * 2, true);
-    }
+    cp_async_rows_ef(dst, idx_row_bytes(a.dim), src, (int64_t)a.dim * 2, count, a.dim / 8,
+                     kIdxThreads);
 }
 
 __device__ void idx_tile(const IndexArgs &a, const unsigned char *tile, const double *qd,

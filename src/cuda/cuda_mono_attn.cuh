@@ -129,30 +129,14 @@ __device__ int attn_tile(const MonoArgs &a, const AttnCta &c, int i, int64_t *el
 
 __device__ void attn_load(const MonoArgs &a, const AttnCta &c, int i, unsigned char *stage,
                           int *s_count) {
-    constexpr int kCpr = kHD / 8;
     int64_t elem = 0;
     int count = attn_tile(a, c, i, &elem);
     if (threadIdx.x == 0)
         *s_count = count;
     if (count <= 0)
         return;
-    const uint16_t *ks = a.kc + elem, *vs = a.vc + elem;
-    /* evict-first, as the index pages (idx_copy_page: the base through a
-     * shuffle); the zero fill past a block's keys reads nothing */
-    const uint64_t pol = l2_evict_first();
-    const uint32_t base = __shfl_sync(0xffffffffu, smem_u32(stage), 0);
-    for (int x = threadIdx.x; x < kAttnKeys * kCpr; x += kThreads) {
-        int r = x / kCpr, k = x % kCpr;
-        const uint32_t dst = base + r * kRowBytes + k * 16;
-        if (r < count) {
-            const int64_t off = (int64_t)r * kHD + k * 8;
-            cp_async16_pol_s(dst, ks + off, pol);
-            cp_async16_pol_s(dst + kTileBytes, vs + off, pol);
-        } else {
-            cp_async16(stage + r * kRowBytes + k * 16, ks, false);
-            cp_async16(stage + r * kRowBytes + k * 16 + kTileBytes, vs, false);
-        }
-    }
+    cp_async_kv_ef<kHD>(stage, kRowBytes, kTileBytes, a.kc + elem, a.vc + elem, count, kAttnKeys,
+                        kThreads);
 }
 
 __device__ void attn_load_q(const MonoArgs &a, const AttnCta &c, unsigned char *sq) {

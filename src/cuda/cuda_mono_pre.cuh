@@ -255,13 +255,7 @@ __device__ void idx_pass(const MonoArgs &a, Ctl &ctl, const unsigned char *tile,
 __device__ __forceinline__ void idx_copy_page(const MonoArgs &a, int64_t page, int count,
                                               unsigned char *dst) {
     const unsigned char *src = reinterpret_cast<const unsigned char *>(a.ic + page * M3_PAGE * kHD);
-    const int cpr = kHD / 8, rb = idx_row_bytes();
-    const uint64_t pol = l2_evict_first();
-    const uint32_t base = __shfl_sync(0xffffffffu, smem_u32(dst), 0);
-    for (int c = threadIdx.x; c < count * cpr; c += kThreads) {
-        int r = c / cpr, k = c - r * cpr;
-        cp_async16_pol_s(base + r * rb + k * 16, src + ((int64_t)r * kHD + k * 8) * 2, pol);
-    }
+    cp_async_rows_ef(dst, idx_row_bytes(), src, kHD * 2, count, kHD / 8, kThreads);
 }
 
 __device__ void idx_load(const MonoArgs &a, const RowView &rv, int t, int b, unsigned char *dst,
