@@ -89,7 +89,8 @@ __device__ __forceinline__ void cp_async_rows_ef(unsigned char *dst, int dst_row
 /* An attention block's K and V rows [0, count) of D bf16 elements (rows D
  * apart at ks, vs) into a stage's K and V tiles (rows row_bytes apart, V
  * tile_bytes after K), rows [count, keys) zero (nothing read), evict-first
- * as cp_async_rows_ef (every lane of the CTA calls it). */
+ * as cp_async_rows_ef (every lane of the CTA calls it). The mono path's
+ * attention; the stock attention kernel copies plainly (slower with it). */
 template <int D>
 __device__ __forceinline__ void cp_async_kv_ef(unsigned char *stage, int row_bytes,
                                                int tile_bytes, const uint16_t *ks,

@@ -155,14 +155,25 @@ template <int D>
 __device__ void attn_load(const AttnArgs &a, const AttnCta &c, int i, unsigned char *stage,
                           int *s_count) {
     using C = AttnCfg<D>;
+    constexpr int kCpr = D / 8;
     int64_t elem = 0;
     int count = attn_tile<D>(a, c, i, &elem);
     if (threadIdx.x == 0)
         *s_count = count;
     if (count <= 0)
         return;
-    cp_async_kv_ef<D>(stage, C::kRowBytes, C::kTileBytes, a.kc + elem, a.vc + elem, count,
-                      kAttnKeys, kAttnThreads);
+    /* plain copies: evict-first here (cp_async_kv_ef, as the mono path's)
+     * made the stock layer 1.3% slower at one row, 4K-32K, and gained
+     * nothing elsewhere (docs/PERF.md, thirty-fourth session) */
+    const uint16_t *ks = a.kc + elem, *vs = a.vc + elem;
+    for (int x = threadIdx.x; x < kAttnKeys * kCpr; x += kAttnThreads) {
+        int r = x / kCpr, k = x % kCpr;
+        bool in = r < count;
+        int64_t off = in ? (int64_t)r * D + k * 8 : 0;
+        unsigned char *dst = stage + r * C::kRowBytes + k * 16;
+        cp_async16(dst, ks + off, in);
+        cp_async16(dst + C::kTileBytes, vs + off, in);
+    }
 }
 
 /* the CTA's query heads as a 16-row tile (rows past nh zero) */
