@@ -1,9 +1,11 @@
 /*
  * Device helpers shared by the stock kernels (cuda_index.cu,
- * cuda_attention.cu) and the mono path's fused kernels (cuda_mono*), so
- * both compute the same bits with one copy of the code: cp.async (global
- * to shared, bypassing L1), counter loads and the global timer, the CPU's
- * first-maximum rule, the index dot
+ * cuda_attention.cu, cuda_cp.cu, the GEMVs of cuda_gemv.cuh) and the mono
+ * path's fused kernels (cuda_mono*), so both compute the same bits with
+ * one copy of the code: cp.async (global to shared, bypassing L1), the
+ * L2 evict-first policy for bytes a step reads once (weights, cache
+ * pages) and the copies and loads that carry it, counter loads and the
+ * global timer, the CPU's first-maximum rule, the index dot
  * products in the CPU's accumulation order, the tensor-core fragment loads
  * and bf16 MMA of the attention kernels, one warp's attention tile, and
  * the exact top-k block selection.
