@@ -1,6 +1,7 @@
 # m3 — top-level entry points. `make demo` and `make test` work on a fresh
 # Debian machine: they install what is missing (libcjson-dev via apt-get,
-# numpy via pip), configure with CMake and build.
+# numpy via pip, and where nvcc is, cuobjdump and nvdisasm via pip for the
+# machine-code check), configure with CMake and build.
 #
 #   make demo    build, then generate on the built-in tiny model
 #   make test    build (release + ASan/UBSan) and run every test in both
@@ -23,6 +24,11 @@ deps:
 	@python3 -c 'import numpy' 2>/dev/null || { \
 	  echo "installing numpy"; python3 -m pip install -q numpy || \
 	  $(SUDO) apt-get install -y python3-numpy; }
+	@if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then \
+	  python3 scripts/sass_check.py --tools >/dev/null 2>&1 || { \
+	    echo "installing cuobjdump and nvdisasm (for the sass_check test)"; \
+	    python3 -m pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm 2>/dev/null || \
+	    echo "  not installed: the sass_check test will be skipped"; }; fi
 
 build: deps
 	cmake -S . -B build -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null

@@ -19,6 +19,10 @@
 - scripts/gpu-parting with the CPU in the GPU's place on the tiny model:
   its runs agree and it leaves at most 8 files in $OUT.
 
+- scripts/sass_check.py on made-up disassembly (stand-in cuobjdump and
+  nvdisasm): an odd descriptor register fails and names its kernel, even
+  ones pass, a file without kernels is an error.
+
 Run by ctest as: test_tools.py --m3 build/m3 --work DIR [--quick] (m3 is
 used by the cuda_configs.py and gpu-parting checks only).
 """
@@ -250,6 +254,49 @@ def check_gpu_parting(m3, work):
     print("gpu-parting: 4 runs equal on the CPU, %d files out" % len(os.listdir(out)))
 
 
+SASS_GOOD = """
+\t\tFunction : _Z4goodv
+        /*0000*/                   LDGSTS.E.BYPASS.128 [R13], desc[UR4][R8.64] ;   /* 0x0 */
+        /*0010*/                   LDG.E.128 R4, desc[UR10][R2.64] ;               /* 0x0 */
+"""
+SASS_BAD = SASS_GOOD + """
+\t\tFunction : _Z3badv
+        /*0000*/                   LDGSTS.E.BYPASS.128 [R13+UR0], desc[UR1][R8.64] ;   /* 0x0 */
+        /*0010*/              @!P1 LDGSTS.E.BYPASS.128 [R9+UR0], desc[UR1][R6.64] ;    /* 0x0 */
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;                    /* 0x0 */
+"""
+
+
+def check_sass_check(work):
+    d = os.path.join(work, "sass_check")
+    os.makedirs(d, exist_ok=True)
+    tool = os.path.join(d, "cuobjdump")
+    for name, text in (("good.txt", SASS_GOOD), ("bad.txt", SASS_BAD), ("none.txt", "")):
+        with open(os.path.join(d, name), "w") as f:
+            f.write(text)
+    with open(tool, "w") as f:  # cuobjdump -sass FILE: FILE holds the disassembly
+        f.write('#!/bin/sh\ncat "$2"\n')
+    os.chmod(tool, 0o755)
+    env = dict(os.environ, CUOBJDUMP=tool, NVDISASM=tool)
+    script = os.path.join(ROOT, "scripts", "sass_check.py")
+
+    def run(name):
+        r = subprocess.run([sys.executable, script, os.path.join(d, name)], env=env,
+                           capture_output=True, text=True)
+        return r.returncode, r.stdout + r.stderr
+
+    rc, out = run("good.txt")
+    if rc != 0 or "1 kernels" not in out:
+        fail("sass_check on even descriptors: rc %d: %s" % (rc, out))
+    rc, out = run("bad.txt")
+    if rc != 1 or "_Z3badv: 2 instruction(s)" not in out or "_Z4goodv" in out:
+        fail("sass_check on an odd descriptor: rc %d: %s" % (rc, out))
+    rc, out = run("none.txt")
+    if rc != 2:
+        fail("sass_check on a file without kernels: rc %d: %s" % (rc, out))
+    print("sass_check: even descriptors pass, odd ones fail by kernel, no kernels is an error")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m3")
@@ -259,6 +306,7 @@ def main():
     os.makedirs(args.work, exist_ok=True)
     check_mono_trace(args.work)
     check_gpu_ab(args.work)
+    check_sass_check(args.work)
     if args.m3:
         check_cuda_configs(os.path.abspath(args.m3), args.work, args.quick)
         check_gpu_parting(os.path.abspath(args.m3), args.work)
