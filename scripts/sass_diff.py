@@ -18,15 +18,15 @@ import collections
 import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_check import cuda_tool  # noqa: E402 (one lookup for the CUDA tools)
+
 
 def nvdisasm():
-    path = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
-    if not path and os.path.exists("/usr/local/cuda/bin/nvdisasm"):
-        path = "/usr/local/cuda/bin/nvdisasm"
+    path = cuda_tool("nvdisasm")  # $NVDISASM, PATH, the CUDA toolkit, PyPI's wheel
     if not path:
         sys.exit("sass_diff: nvdisasm not found (set NVDISASM)")
     return path
