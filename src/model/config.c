@@ -87,6 +87,18 @@ static m3_status get_num(const cJSON *obj, const char *const *names, bool has_de
     return M3_OK;
 }
 
+/* A number the engine keeps as fp32 (norm epsilon, routing scale, SwiGLU
+ * constants): it must be finite as fp32, and the range checks apply to the
+ * fp32 value, since that is what the math uses (1e-46 passes "> 0" as a
+ * double and is 0 as a float). */
+static m3_status to_f32(const char *name, double v, float *out) {
+    float f = (float)v;
+    if (!isfinite(f))
+        return m3_fail(M3_ERR_CONFIG, "config.json: %s = %g is outside fp32's range", name, v);
+    *out = f;
+    return M3_OK;
+}
+
 static m3_status get_bool(const cJSON *obj, const char *const *names, bool def, bool *out) {
     const char *name = names[0];
     const cJSON *it = find_any(obj, names, &name);
@@ -263,9 +275,10 @@ static m3_status parse_attention(const cJSON *t, m3_config *c) {
                        "Gemma RMSNorm)");
     double eps;
     M3_TRY(get_num(t, NAMES("rms_norm_eps"), true, 1e-6, &eps));
-    if (!(eps > 0 && eps < 1))
-        return m3_fail(M3_ERR_CONFIG, "config.json: rms_norm_eps = %g must be in (0, 1)", eps);
-    c->rms_norm_eps = (float)eps;
+    M3_TRY(to_f32("rms_norm_eps", eps, &c->rms_norm_eps));
+    if (!(c->rms_norm_eps > 0 && c->rms_norm_eps < 1))
+        return m3_fail(M3_ERR_CONFIG, "config.json: rms_norm_eps = %g must be in (0, 1) as fp32",
+                       eps);
     M3_TRY(get_int(t, NAMES("max_position_embeddings"), true, 1 << 20, 1, (int64_t)1 << 32, &v));
     c->max_position_embeddings = v;
     return M3_OK;
@@ -411,10 +424,10 @@ static m3_status parse_ffn(const cJSON *t, m3_config *c, bool flattened) {
         M3_TRY(get_bool(t, NAMES("use_routing_bias"), true, &c->use_routing_bias));
         double rsf;
         M3_TRY(get_num(t, NAMES("routed_scaling_factor"), true, 1.0, &rsf));
-        if (!(rsf > 0))
-            return m3_fail(M3_ERR_CONFIG, "config.json: routed_scaling_factor = %g must be > 0",
-                           rsf);
-        c->routed_scaling_factor = (float)rsf;
+        M3_TRY(to_f32("routed_scaling_factor", rsf, &c->routed_scaling_factor));
+        if (!(c->routed_scaling_factor > 0))
+            return m3_fail(M3_ERR_CONFIG,
+                           "config.json: routed_scaling_factor = %g must be > 0 as fp32", rsf);
     }
 
     /* SwiGLU-OAI everywhere. Flattened Hugging Face exports write "silu" for
@@ -431,10 +444,11 @@ static m3_status parse_ffn(const cJSON *t, m3_config *c, bool flattened) {
     if (beta != 1.0)
         return m3_fail(M3_ERR_UNSUPPORTED, "config.json: swiglu_beta = %g is not supported (1)",
                        beta);
-    if (!(limit > 0))
-        return m3_fail(M3_ERR_CONFIG, "config.json: swiglu_limit = %g must be > 0", limit);
-    c->swiglu_alpha = (float)alpha;
-    c->swiglu_limit = (float)limit;
+    M3_TRY(to_f32("swiglu_alpha", alpha, &c->swiglu_alpha));
+    M3_TRY(to_f32("swiglu_limit", limit, &c->swiglu_limit));
+    if (!(c->swiglu_limit > 0))
+        return m3_fail(M3_ERR_CONFIG, "config.json: swiglu_limit = %g must be > 0 as fp32",
+                       limit);
     return M3_OK;
 }
 

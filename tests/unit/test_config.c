@@ -566,6 +566,16 @@ static const bad_case bad_cases[] = {
     {{{TEXT, "rope_theta", "1"}}, M3_ERR_CONFIG, "rope_theta = 1 must be > 1"},
     {{{TEXT, "rms_norm_eps", "0"}}, M3_ERR_CONFIG, "rms_norm_eps = 0"},
     {{{TEXT, "swiglu_limit", "0"}}, M3_ERR_CONFIG, "swiglu_limit = 0 must be > 0"},
+    /* fp32 fields judged as fp32 (found by fuzz_config: 1e-46 is 0 as a float) */
+    {{{TEXT, "rms_norm_eps", "1e-46"}}, M3_ERR_CONFIG, "rms_norm_eps = 1e-46 must be in (0, 1)"},
+    {{{TEXT, "rms_norm_eps", "0.99999999999"}}, M3_ERR_CONFIG, "must be in (0, 1) as fp32"},
+    {{{TEXT, "swiglu_limit", "1e-50"}}, M3_ERR_CONFIG, "swiglu_limit = 1e-50 must be > 0"},
+    {{{TEXT, "swiglu_limit", "1e300"}}, M3_ERR_CONFIG, "swiglu_limit = 1e+300 is outside fp32"},
+    {{{TEXT, "swiglu_alpha", "-1e39"}}, M3_ERR_CONFIG, "swiglu_alpha = -1e+39 is outside fp32"},
+    {{{TEXT, "routed_scaling_factor", "1e-60"}}, M3_ERR_CONFIG,
+     "routed_scaling_factor = 1e-60 must be > 0"},
+    {{{TEXT, "routed_scaling_factor", "4e38"}}, M3_ERR_CONFIG,
+     "routed_scaling_factor = 4e+38 is outside fp32"},
 
     /* per-layer lists */
     {{{TEXT, "moe_layer_freq", FLAGS_59}}, M3_ERR_CONFIG,
