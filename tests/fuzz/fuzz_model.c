@@ -1,0 +1,146 @@
+/*
+ * A checkpoint's safetensors header against the model binder: the folder
+ * holds a fixed small config.json and one model.safetensors whose data
+ * section is a synthesized model's and whose header is the input (so
+ * names, dtypes, shapes and offsets are what varies). The binder promises
+ * (model/model.c) that a checkpoint it accepts has every tensor the
+ * config needs, with its shape and dtype, inside the file. Properties: a
+ * refusal has a message; an accepted model builds a CPU engine that runs
+ * a prefill and two decode steps without a fault (the values are whatever
+ * the bytes hold, so they are not checked).
+ *
+ * M3_FUZZ_WRITE_SEED=PATH writes the synthesized header (the valid input)
+ * to PATH and exits: the seed of corpus/fuzz_model.
+ */
+#include "fuzz.h"
+
+/* Small, every layer kind: a dense full-attention layer, then sparse
+ * attention with MoE (shared expert, routing bias, MXFP8 off). */
+static const char kConfig[] =
+    "{\"model_type\": \"minimax_m3\", \"hidden_size\": 64, \"num_hidden_layers\": 2,"
+    "\"num_attention_heads\": 2, \"num_key_value_heads\": 1, \"head_dim\": 32,"
+    "\"rotary_dim\": 16, \"rope_theta\": 10000, \"vocab_size\": 64,"
+    "\"intermediate_size\": 32, \"dense_intermediate_size\": 64,"
+    "\"shared_intermediate_size\": 32, \"n_shared_experts\": 1,"
+    "\"num_local_experts\": 4, \"num_experts_per_tok\": 2, \"moe_layer_freq\": [0, 1],"
+    "\"scoring_func\": \"sigmoid\", \"use_routing_bias\": true,"
+    "\"routed_scaling_factor\": 2.0, \"hidden_act\": \"swigluoai\","
+    "\"swiglu_alpha\": 1.702, \"swiglu_limit\": 7.0, \"rms_norm_eps\": 1e-06,"
+    "\"use_gemma_norm\": true, \"qk_norm_type\": \"per_head\","
+    "\"tie_word_embeddings\": false, \"max_position_embeddings\": 4096,"
+    "\"eos_token_id\": 63, \"sparse_attention_config\": {\"sparse_attention_freq\": [0, 1],"
+    "\"sparse_num_index_heads\": 1, \"sparse_index_dim\": 32, \"sparse_block_size\": 128,"
+    "\"sparse_topk_blocks\": 2, \"sparse_init_block\": 0, \"sparse_local_block\": 1,"
+    "\"sparse_score_type\": \"max\", \"sparse_disable_index_value\": [0, 1]}}";
+
+static uint8_t *g_data;      /* the synthesized file's data section */
+static size_t g_data_bytes;
+static char g_ckpt[700];     /* the folder each input is written to */
+
+static uint8_t *read_all(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f || fseek(f, 0, SEEK_END) != 0) {
+        perror(path);
+        exit(2);
+    }
+    long len = ftell(f);
+    rewind(f);
+    uint8_t *buf = malloc((size_t)len + 1);
+    if (!buf || fread(buf, 1, (size_t)len, f) != (size_t)len) {
+        perror(path);
+        exit(2);
+    }
+    fclose(f);
+    *n = (size_t)len;
+    return buf;
+}
+
+static void setup(void) {
+    if (g_data)
+        return;
+    char synth_dir[700], path[800];
+    snprintf(synth_dir, sizeof synth_dir, "%s/synth", fuzz_dir());
+    m3_config cfg;
+    m3_synth_opts so = {7, false, 0};
+    if (m3_config_parse(kConfig, sizeof kConfig - 1, &cfg) != M3_OK ||
+        m3_synth(&cfg, synth_dir, &so) != M3_OK) {
+        fprintf(stderr, "fuzz_model setup: %s\n", m3_last_error());
+        exit(2);
+    }
+    snprintf(path, sizeof path, "%s/model.safetensors", synth_dir);
+    size_t n;
+    uint8_t *file = read_all(path, &n);
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--)
+        hlen = hlen << 8 | file[i];
+    const char *seed = getenv("M3_FUZZ_WRITE_SEED");
+    if (seed) {
+        fuzz_write(seed, file + 8, (size_t)hlen, NULL, 0);
+        exit(0);
+    }
+    g_data_bytes = n - 8 - (size_t)hlen;
+    g_data = malloc(g_data_bytes + 1);
+    if (!g_data)
+        exit(2);
+    memcpy(g_data, file + 8 + hlen, g_data_bytes);
+    free(file);
+    snprintf(g_ckpt, sizeof g_ckpt, "%s/ckpt", fuzz_dir());
+    if (mkdir(g_ckpt, 0700) != 0) {
+        perror(g_ckpt);
+        exit(2);
+    }
+    snprintf(path, sizeof path, "%s/config.json", g_ckpt);
+    fuzz_write(path, kConfig, sizeof kConfig - 1, NULL, 0);
+}
+
+/* A prefill of 5 tokens and two decode steps; faults are the finding. */
+static void run(m3_model *model) {
+    m3_engine_opts eo = m3_engine_defaults();
+    eo.threads = 1;
+    eo.max_tokens = 256;
+    eo.max_rows = 8;
+    m3_engine *eng = NULL;
+    m3_status st = m3_engine_create(model, &eo, &eng);
+    fuzz_check_refusal(st, "m3_engine_create");
+    if (st != M3_OK)
+        return;
+    m3_seq seq;
+    if (m3_seq_create(eng, &seq) != M3_OK)
+        fuzz_fail("m3_seq_create: %s", m3_last_error());
+    int vocab = m3_model_config(model)->vocab_size;
+    float *logits = malloc((size_t)vocab * sizeof *logits);
+    const int32_t prompt[5] = {1, 5, 9, 2, 60};
+    m3_request rq = {seq, prompt, 5};
+    for (int step = 0; step < 3 && logits; step++) {
+        st = m3_engine_step(eng, &rq, 1, logits, NULL);
+        if (st != M3_OK)
+            fuzz_fail("step %d of an accepted model failed: %s", step, m3_last_error());
+        rq.tokens = prompt + step;
+        rq.n_tokens = 1;
+    }
+    free(logits);
+    m3_engine_free(eng);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    setup();
+    char path[800];
+    snprintf(path, sizeof path, "%s/model.safetensors", g_ckpt);
+    uint8_t len[8];
+    for (int i = 0; i < 8; i++)
+        len[i] = (uint8_t)((uint64_t)size >> (8 * i));
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(len, 1, 8, f) != 8 || (size && fwrite(data, 1, size, f) != size) ||
+        fwrite(g_data, 1, g_data_bytes, f) != g_data_bytes || fclose(f) != 0) {
+        perror(path);
+        exit(2);
+    }
+    m3_model *model = NULL;
+    m3_status st = m3_model_load(g_ckpt, NULL, &model);
+    fuzz_check_refusal(st, "m3_model_load");
+    if (st != M3_OK)
+        return 0;
+    run(model);
+    m3_model_free(model);
+    return 0;
+}
