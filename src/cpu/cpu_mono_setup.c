@@ -56,7 +56,10 @@ m3_status m3_cpu_mono_group_create(int world, int max_rows, const m3_config *cfg
     if (timeout_ms < 0)
         return m3_fail(M3_ERR_INVALID_ARG, "mono group: peer wait timeout %lld ms is negative",
                        (long long)timeout_ms);
-    if (cfg->hidden_size < 1 || cfg->experts_per_tok < 1 ||
+    /* experts_per_tok 0: a model without MoE layers, which the mono
+     * refusals then name (the group is made before them, at every TP size
+     * above 1, also under auto, so it must not refuse first) */
+    if (cfg->hidden_size < 1 || cfg->experts_per_tok < 0 ||
         cfg->experts_per_tok > MONO_MAX_TOPK)
         return m3_fail(M3_ERR_UNSUPPORTED, "mono group: hidden %d / experts per token %d",
                        cfg->hidden_size, cfg->experts_per_tok);

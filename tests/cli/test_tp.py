@@ -2,10 +2,10 @@
 """Tensor parallelism on the CPU (ranks as threads) against TP 1.
 
 For each model (the `tiny` preset, an MXFP8 copy, the `small` preset cut to
-three layers, and a flat config with 3 query heads per KV head, no shared
-expert and tied embeddings), `m3 generate --tp N` decodes greedily from a
-prompt past the sparse threshold (so block selection matters), prefilled in
-chunks. Checked against `--tp 1`:
+three layers, a flat config with 3 query heads per KV head, no shared
+expert and tied embeddings, and the same without MoE layers), `m3 generate
+--tp N` decodes greedily from a prompt past the sparse threshold (so block
+selection matters), prefilled in chunks. Checked against `--tp 1`:
 
 - the same greedy tokens;
 - bit-identical logits. The CPU's TP partial sums (o_proj, every FFN's down
@@ -177,6 +177,17 @@ def main():
     if not a.quick:
         check_model(m3, a.work, "small3", models["small3"], 8192, [2, 4])
     check_model(m3, a.work, "flat", models["flat"], 300, [2], cp_tps=[2])
+    # no MoE layer at all: the default decode (auto) runs it stock at every
+    # TP size (it failed at TP > 1 until the fuzzer found it: the CPU mono
+    # group refused experts_per_tok 0 before the refusals could say why)
+    dense_cfg = json.loads(json.dumps(FLAT_CONFIG))
+    dense_cfg["moe_layer_freq"] = [0, 0, 0]
+    with open(os.path.join(a.work, "dense_config.json"), "w") as f:
+        json.dump(dense_cfg, f)
+    models["dense"] = os.path.join(a.work, "dense")
+    run([m3, "synth", "--config", os.path.join(a.work, "dense_config.json"), "--seed", "16",
+         "--out", models["dense"]])
+    check_model(m3, a.work, "dense", models["dense"], 300, [2])
     check_refused(m3, models["flat"], 3, ["tp = 3", "num_key_value_heads = 2"])
     check_refused(m3, models["flat"], 4, ["tp = 4", "num_attention_heads = 6"])
     check_refused(m3, models["flat"], 5, ["tp = 5"])

@@ -6,10 +6,11 @@
  * MXFP8), mostly inside the space, sometimes at or past its edges. The
  * config is parsed, synthesized, loaded, and a prompt long enough for the
  * indexer's selection to matter is run with two sequences decoding
- * together, by several engines: stock at TP 1 (the reference), mono at
- * TP 1, stock and mono at TP 2 (ranks as threads), each without and with
- * indexer context parallelism.
+ * together, by several engines: stock at TP 1 (the reference), mono and
+ * auto at TP 1, stock, mono and auto at TP 2 (ranks as threads), stock
+ * and mono at TP 2 with indexer context parallelism.
  * Properties: every refusal (config, synth, load, engine) has a message;
+ * auto accepts every model stock accepts at its TP size;
  * nothing faults; every engine that accepts the model gives the
  * reference's logits bit for bit on every row (the CPU paths share their
  * sums' order and rounding points: docs/ARCHITECTURE.md), and those
@@ -54,8 +55,8 @@ static void flags(char *out, size_t cap, const int *f, int n) {
 
 static void draw(bytes_src *s, fuzz_case *fc) {
     int layers = PICK(s, 1, 2, 3, 4, 2, 3, 0, 5);
-    int kv = PICK(s, 1, 2, 1, 2, 3, 0);
-    int group = PICK(s, 1, 2, 3, 4, 1, 2);
+    int kv = PICK(s, 2, 1, 2, 4, 3, 0);
+    int group = PICK(s, 1, 2, 2, 4, 3, 1);
     int head_dim = PICK(s, 32, 64, 32, 64, 16, 128, 24, 0);
     int rotary = PICK(s, 16, 32, 8, 0, 64, 12, 7);
     int hidden = PICK(s, 64, 96, 128, 64, 32, 160, 48, 8, 0);
@@ -79,9 +80,14 @@ static void draw(bytes_src *s, fuzz_case *fc) {
     int moe[8] = {0}, sparse[8] = {0};
     int n_flags = layers > 0 && layers <= 8 ? layers : 1;
     unsigned mask_moe = take(s), mask_sparse = take(s);
+    /* most often a run of sparse MoE layers to the end, as in M3 (what
+     * the mono path fuses); else any mix */
+    unsigned run_from = take(s);
     for (int i = 0; i < n_flags; i++) {
         moe[i] = (mask_moe >> i) & 1;
         sparse[i] = (mask_sparse >> i) & 1;
+        if (run_from < 192 && i >= (int)(run_from % (unsigned)n_flags))
+            moe[i] = sparse[i] = 1;
     }
     fc->mxfp8 = (take(s) % 6) == 0;
     fc->seed = take(s);
@@ -131,6 +137,7 @@ typedef struct {
     int tp;
     bool indexer_cp;
     const char *name;
+    int accepts_as; /* must accept where kinds[accepts_as] did (auto: where stock did); -1 */
 } engine_kind;
 
 static bool run_engine(m3_model *model, const fuzz_case *fc, const engine_kind *k, float *out,
@@ -220,15 +227,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!ref || !got)
         exit(2);
     const engine_kind kinds[] = {
-        {M3_DECODE_STOCK, 1, false, "stock tp1"},
-        {M3_DECODE_MONO, 1, false, "mono tp1"},
-        {M3_DECODE_STOCK, 2, false, "stock tp2"},
-        {M3_DECODE_MONO, 2, false, "mono tp2"},
-        {M3_DECODE_STOCK, 2, true, "stock tp2 indexer-cp"},
-        {M3_DECODE_MONO, 2, true, "mono tp2 indexer-cp"},
+        {M3_DECODE_STOCK, 1, false, "stock tp1", -1},
+        {M3_DECODE_MONO, 1, false, "mono tp1", -1},
+        {M3_DECODE_AUTO, 1, false, "auto tp1", 0},
+        {M3_DECODE_STOCK, 2, false, "stock tp2", -1},
+        {M3_DECODE_MONO, 2, false, "mono tp2", -1},
+        {M3_DECODE_AUTO, 2, false, "auto tp2", 3},
+        {M3_DECODE_STOCK, 2, true, "stock tp2 indexer-cp", -1},
+        {M3_DECODE_MONO, 2, true, "mono tp2 indexer-cp", -1},
     };
+    bool accepted[sizeof kinds / sizeof kinds[0]] = {false};
     size_t ref_rows = 0;
-    if (!run_engine(model, &fc, &kinds[0], ref, &ref_rows))
+    if (!(accepted[0] = run_engine(model, &fc, &kinds[0], ref, &ref_rows)))
         goto done; /* the stock engine refused the model: clean, nothing to compare */
     for (size_t i = 0; i < ref_rows * (size_t)cfg.vocab_size; i++)
         if (isnan(ref[i]))
@@ -237,7 +247,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         size_t rows = 0;
         for (size_t i = 0; i < per; i++)
             got[i] = NAN; /* poisoned: a row the engine leaves unwritten fails */
-        if (!run_engine(model, &fc, &kinds[k], got, &rows))
+        accepted[k] = run_engine(model, &fc, &kinds[k], got, &rows);
+        if (!accepted[k] && kinds[k].accepts_as >= 0 && accepted[kinds[k].accepts_as])
+            fuzz_fail("%s refused a model %s runs: %s", kinds[k].name,
+                      kinds[kinds[k].accepts_as].name, m3_last_error());
+        if (!accepted[k])
             continue;
         if (rows != ref_rows)
             fuzz_fail("%s: %zu rows, stock %zu", kinds[k].name, rows, ref_rows);
