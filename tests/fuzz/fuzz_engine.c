@@ -6,9 +6,10 @@
  * MXFP8), mostly inside the space, sometimes at or past its edges. The
  * config is parsed, synthesized, loaded, and a prompt long enough for the
  * indexer's selection to matter is run with two sequences decoding
- * together, by several engines: stock at TP 1 (the reference), mono and
- * auto at TP 1, stock, mono and auto at TP 2 (ranks as threads), stock
- * and mono at TP 2 with indexer context parallelism.
+ * together, by several engines: stock at TP 1 (the reference; again in
+ * chunks of 5 prompt rows on one thread), mono and auto at TP 1, stock,
+ * mono and auto at TP 2 (ranks as threads), stock and mono at TP 2 with
+ * indexer context parallelism.
  * Properties: every refusal (config, synth, load, engine) has a message;
  * auto accepts every model stock accepts at its TP size;
  * nothing faults; every engine that accepts the model gives the
@@ -138,15 +139,18 @@ typedef struct {
     bool indexer_cp;
     const char *name;
     int accepts_as; /* must accept where kinds[accepts_as] did (auto: where stock did); -1 */
+    int chunk;      /* the prefill chunk, when not the case's (0) */
+    int threads;    /* CPU threads (0: 2) */
 } engine_kind;
 
 static bool run_engine(m3_model *model, const fuzz_case *fc, const engine_kind *k, float *out,
                        size_t *rows_out) {
     const m3_config *c = m3_model_config(model);
     m3_engine_opts eo = m3_engine_defaults();
-    eo.threads = 2;
+    const int chunk = k->chunk ? k->chunk : fc->chunk;
+    eo.threads = k->threads ? k->threads : 2;
     eo.max_tokens = 1024;
-    eo.max_rows = fc->chunk;
+    eo.max_rows = chunk;
     eo.max_seqs = 2;
     eo.tp = k->tp;
     eo.decode = k->decode;
@@ -165,24 +169,24 @@ static bool run_engine(m3_model *model, const fuzz_case *fc, const engine_kind *
     if (m3_seq_create(eng, &a) != M3_OK || m3_seq_create(eng, &b) != M3_OK)
         fuzz_fail("%s: m3_seq_create: %s", k->name, m3_last_error());
     size_t rows = 0;
-    for (int at = 0; at < fc->n_prompt; at += fc->chunk) {
-        int n = fc->n_prompt - at < fc->chunk ? fc->n_prompt - at : fc->chunk;
+    for (int at = 0; at < fc->n_prompt; at += chunk) {
+        int n = fc->n_prompt - at < chunk ? fc->n_prompt - at : chunk;
         m3_request rq = {a, tokens + at, n};
-        st = m3_engine_step(eng, &rq, 1, out + rows * (size_t)V, out + rows * (size_t)V);
+        st = m3_engine_step(eng, &rq, 1, NULL, out + rows * (size_t)V);
         if (st != M3_OK)
             fuzz_fail("%s: prefill at %d: %s", k->name, at, m3_last_error());
         rows += (size_t)n;
     }
     const int32_t b_prompt[3] = {1 % V, 2 % V, 3 % V};
     m3_request rb = {b, b_prompt, 3};
-    st = m3_engine_step(eng, &rb, 1, out + rows * (size_t)V, out + rows * (size_t)V);
+    st = m3_engine_step(eng, &rb, 1, NULL, out + rows * (size_t)V);
     if (st != M3_OK)
         fuzz_fail("%s: second prompt: %s", k->name, m3_last_error());
     rows += 3;
     for (int d = 0; d < fc->n_decode; d++) {
         int32_t ta = (int32_t)((d * 5 + 1) % V), tb = (int32_t)((d * 11 + 2) % V);
         m3_request two[2] = {{a, &ta, 1}, {b, &tb, 1}};
-        st = m3_engine_step(eng, two, 2, out + rows * (size_t)V, out + rows * (size_t)V);
+        st = m3_engine_step(eng, two, 2, NULL, out + rows * (size_t)V);
         if (st != M3_OK)
             fuzz_fail("%s: decode step %d: %s", k->name, d, m3_last_error());
         rows += 2;
@@ -227,14 +231,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!ref || !got)
         exit(2);
     const engine_kind kinds[] = {
-        {M3_DECODE_STOCK, 1, false, "stock tp1", -1},
-        {M3_DECODE_MONO, 1, false, "mono tp1", -1},
-        {M3_DECODE_AUTO, 1, false, "auto tp1", 0},
-        {M3_DECODE_STOCK, 2, false, "stock tp2", -1},
-        {M3_DECODE_MONO, 2, false, "mono tp2", -1},
-        {M3_DECODE_AUTO, 2, false, "auto tp2", 3},
-        {M3_DECODE_STOCK, 2, true, "stock tp2 indexer-cp", -1},
-        {M3_DECODE_MONO, 2, true, "mono tp2 indexer-cp", -1},
+        {M3_DECODE_STOCK, 1, false, "stock tp1", -1, 0, 0},
+        {M3_DECODE_STOCK, 1, false, "stock tp1, prefill chunk 5, 1 thread", 0, 5, 1},
+        {M3_DECODE_MONO, 1, false, "mono tp1", -1, 0, 0},
+        {M3_DECODE_AUTO, 1, false, "auto tp1", 0, 0, 0},
+        {M3_DECODE_STOCK, 2, false, "stock tp2", -1, 0, 0},
+        {M3_DECODE_MONO, 2, false, "mono tp2", -1, 0, 0},
+        {M3_DECODE_AUTO, 2, false, "auto tp2", 4, 0, 0},
+        {M3_DECODE_STOCK, 2, true, "stock tp2 indexer-cp", -1, 0, 0},
+        {M3_DECODE_MONO, 2, true, "mono tp2 indexer-cp", -1, 0, 0},
     };
     bool accepted[sizeof kinds / sizeof kinds[0]] = {false};
     size_t ref_rows = 0;
