@@ -236,6 +236,10 @@ typedef struct m3_sampler {
 typedef struct m3_rng { uint64_t state, inc; } m3_rng;
 void m3_rng_seed(m3_rng *rng, uint64_t seed);
 
+/* The sampler's settings are valid: temperature >= 0 and finite, top_p in
+ * (0, 1], top_k >= 0 (what m3_sample and m3_engine_decode check before
+ * anything runs). */
+m3_status m3_sampler_check(const m3_sampler *s);
 /* Choose a token from logits[vocab]. */
 m3_status m3_sample(const m3_sampler *s, m3_rng *rng, const float *logits, int vocab,
                     int32_t *token);
@@ -263,7 +267,9 @@ m3_gen_opts m3_gen_defaults(void);
 /* One decode step (one token per request) that also samples: tokens[r]
  * is request r's next token, drawn with the sampler (on the device where the
  * backend can: greedy, or temperature without top-k/top-p, keyed by
- * (seed, step)); logits [n_reqs, vocab] is filled when non-NULL. */
+ * (seed, step)); logits [n_reqs, vocab] is filled when non-NULL. A bad
+ * sampler fails before the step (no sequence changes); a step whose
+ * logits are all NaN fails after it (M3_ERR_FAULT). */
 m3_status m3_engine_decode(m3_engine *eng, const m3_request *reqs, int n_reqs,
                            const m3_sampler *sampler, m3_rng *rng, int64_t step,
                            int32_t *tokens, float *logits);

@@ -771,6 +771,8 @@ m3_status m3_engine_decode(m3_engine *e, const m3_request *reqs, int n_reqs,
     if (!e || !reqs || !sampler || !tokens)
         return m3_fail(M3_ERR_INVALID_ARG, "m3_engine_decode: engine, requests, sampler and "
                        "tokens are required");
+    /* the sampler before the step, so a bad one changes no sequence */
+    M3_TRY(m3_sampler_check(sampler));
     for (int q = 0; q < n_reqs; q++)
         if (reqs[q].n_tokens != 1)
             return m3_fail(M3_ERR_INVALID_ARG,
@@ -779,6 +781,9 @@ m3_status m3_engine_decode(m3_engine *e, const m3_request *reqs, int n_reqs,
     size_t V = (size_t)e->cfg.vocab_size;
     M3_TRY(m3_engine_bind_thread(e));
     if (!device_can_sample(e, sampler)) {
+        if (sampler->temperature > 0 && !rng)
+            return m3_fail(M3_ERR_INVALID_ARG, "m3_engine_decode: temperature %g needs a "
+                           "generator", sampler->temperature);
         float *buf = logits ? logits : m3_malloc((size_t)n_reqs * V * 4, "logits");
         if (!buf)
             return M3_ERR_NO_MEMORY;

@@ -52,17 +52,27 @@ static int32_t argmax(const float *logits, int vocab) {
     return best;
 }
 
-m3_status m3_sample(const m3_sampler *s, m3_rng *rng, const float *logits, int vocab,
-                    int32_t *token) {
-    if (!s || !logits || vocab < 1 || !token)
-        return m3_fail(M3_ERR_INVALID_ARG,
-                       "m3_sample: sampler, logits, vocab and a token pointer are required");
+m3_status m3_sampler_check(const m3_sampler *s) {
+    if (!s)
+        return m3_fail(M3_ERR_INVALID_ARG, "no sampler");
     if (!(s->temperature >= 0) || !isfinite(s->temperature))
         return m3_fail(M3_ERR_INVALID_ARG, "temperature = %g: must be >= 0", s->temperature);
     if (!(s->top_p > 0 && s->top_p <= 1))
         return m3_fail(M3_ERR_INVALID_ARG, "top_p = %g: must be in (0, 1]", s->top_p);
     if (s->top_k < 0)
         return m3_fail(M3_ERR_INVALID_ARG, "top_k = %d: must be >= 0", s->top_k);
+    return M3_OK;
+}
+
+m3_status m3_sample(const m3_sampler *s, m3_rng *rng, const float *logits, int vocab,
+                    int32_t *token) {
+    if (!s || !logits || vocab < 1 || !token)
+        return m3_fail(M3_ERR_INVALID_ARG,
+                       "m3_sample: sampler, logits, vocab and a token pointer are required");
+    M3_TRY(m3_sampler_check(s));
+    if (s->temperature > 0 && !rng)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_sample: temperature %g needs a generator",
+                       s->temperature);
     int32_t best = argmax(logits, vocab);
     if (best < 0)
         return m3_fail(M3_ERR_FAULT, "every logit is NaN");
@@ -70,9 +80,6 @@ m3_status m3_sample(const m3_sampler *s, m3_rng *rng, const float *logits, int v
         *token = best;
         return M3_OK;
     }
-    if (!rng)
-        return m3_fail(M3_ERR_INVALID_ARG, "m3_sample: temperature %g needs a generator",
-                       s->temperature);
     cand *c = malloc((size_t)vocab * sizeof *c);
     if (!c)
         return m3_fail(M3_ERR_NO_MEMORY, "out of memory sampling");

@@ -3,7 +3,8 @@
 
 The seeds are valid inputs of each parser (the released and flattened
 config spellings, small safetensors files of every dtype the reader knows,
-a shard index); libFuzzer mutates from them, and ctest replays them with
+a shard index) and byte programs for the targets that read their input as
+choices (fuzz_engine, fuzz_api); libFuzzer mutates from them, and ctest replays them with
 whatever inputs a fuzzing run found worth keeping (scripts/fuzz). Inputs
 that depend on the library's own synthesized checkpoint (fuzz_model's
 headers) are written by the target itself (M3_FUZZ_WRITE_SEED). Run from
@@ -11,6 +12,7 @@ anywhere; standard library only; deterministic.
 """
 import json
 import os
+import random
 import struct
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,6 +103,14 @@ def main():
              "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
                             "b.bias": "model-00002-of-00002.safetensors"}}
     put("fuzz_st_index", "two_shards.json", json.dumps(index))
+
+    # byte programs (fuzz_engine: a config's choices; fuzz_api: calls)
+    put("fuzz_engine", "zero", bytes(40))
+    put("fuzz_engine", "a", bytes([1] * 13 + [0] * 5 + [1, 1, 1, 0, 0, 0xff, 0xfe, 1, 5, 0, 1, 0]))
+    rng = random.Random(1)
+    for k in range(4):
+        put("fuzz_api", str(k), bytes([k, 0, 0, 0, 1, 0, 2] +
+                                      [rng.randrange(256) for _ in range(200)]))
 
 
 if __name__ == "__main__":

@@ -370,6 +370,17 @@ static void test_bad_args(void) {
     s = sampler(-1.0f, 0, 1);
     CHECK(m3_sample(&s, &a, logits, 2, &tok) == M3_ERR_INVALID_ARG);
     CHECK(a.state == b.state && a.inc == b.inc);
+
+    /* m3_sampler_check: the same settings checks alone (m3_engine_decode
+     * runs them before its step, so a bad sampler changes no sequence:
+     * fuzz_api's corpus holds the call sequence that showed it did) */
+    s = sampler(0.7f, 5, 0.9f);
+    CHECK_OK(m3_sampler_check(&s));
+    s = sampler(0.7f, 0, 1.5f);
+    CHECK_FAILS(m3_sampler_check(&s), M3_ERR_INVALID_ARG, "top_p = 1.5");
+    s = sampler(NAN, 0, 1);
+    CHECK_FAILS(m3_sampler_check(&s), M3_ERR_INVALID_ARG, "temperature = nan");
+    CHECK_FAILS(m3_sampler_check(NULL), M3_ERR_INVALID_ARG, "no sampler");
 }
 
 int main(void) {
