@@ -1,16 +1,18 @@
 /*
  * A checkpoint's safetensors header against the model binder: the folder
  * holds a fixed small config.json and one model.safetensors whose data
- * section is a synthesized model's and whose header is the input (so
- * names, dtypes, shapes and offsets are what varies). The binder promises
+ * section is a synthesized model's (bf16 or MXFP8: the input's first
+ * byte) and whose header is the rest of the input (so names, dtypes,
+ * shapes and offsets are what varies). The binder promises
  * (model/model.c) that a checkpoint it accepts has every tensor the
  * config needs, with its shape and dtype, inside the file. Properties: a
  * refusal has a message; an accepted model builds a CPU engine that runs
  * a prefill and two decode steps without a fault (the values are whatever
  * the bytes hold, so they are not checked).
  *
- * M3_FUZZ_WRITE_SEED=PATH writes the synthesized header (the valid input)
- * to PATH and exits: the seed of corpus/fuzz_model.
+ * M3_FUZZ_WRITE_SEED=PREFIX writes the valid inputs (the variant byte and
+ * the synthesized header) to PREFIX_bf16.json and PREFIX_mxfp8.json and
+ * exits: the seeds of corpus/fuzz_model.
  */
 #include "fuzz.h"
 
@@ -33,9 +35,12 @@ static const char kConfig[] =
     "\"sparse_topk_blocks\": 2, \"sparse_init_block\": 0, \"sparse_local_block\": 1,"
     "\"sparse_score_type\": \"max\", \"sparse_disable_index_value\": [0, 1]}}";
 
-static uint8_t *g_data;      /* the synthesized file's data section */
-static size_t g_data_bytes;
-static char g_ckpt[700];     /* the folder each input is written to */
+/* Two checkpoints of that config: bf16, and MXFP8 (e4m3 weights with
+ * their uint8 block scales, quantization_config in config.json). */
+enum { kVariants = 2 };
+static uint8_t *g_data[kVariants]; /* each synthesized file's data section */
+static size_t g_data_bytes[kVariants];
+static char g_ckpt[kVariants][700]; /* the folders inputs are written to */
 
 static uint8_t *read_all(const char *path, size_t *n) {
     FILE *f = fopen(path, "rb");
@@ -55,15 +60,15 @@ static uint8_t *read_all(const char *path, size_t *n) {
     return buf;
 }
 
-static void setup(void) {
-    if (g_data)
-        return;
+static void setup_variant(int v) {
     char synth_dir[700], path[800];
-    snprintf(synth_dir, sizeof synth_dir, "%s/synth", fuzz_dir());
+    snprintf(synth_dir, sizeof synth_dir, "%s/synth%d", fuzz_dir(), v);
     m3_config cfg;
     m3_synth_opts so = {7, false, 0};
-    if (m3_config_parse(kConfig, sizeof kConfig - 1, &cfg) != M3_OK ||
-        m3_synth(&cfg, synth_dir, &so) != M3_OK) {
+    if (m3_config_parse(kConfig, sizeof kConfig - 1, &cfg) != M3_OK)
+        exit(2);
+    cfg.mxfp8 = v == 1;
+    if (m3_synth(&cfg, synth_dir, &so) != M3_OK) {
         fprintf(stderr, "fuzz_model setup: %s\n", m3_last_error());
         exit(2);
     }
@@ -74,23 +79,38 @@ static void setup(void) {
     for (int i = 7; i >= 0; i--)
         hlen = hlen << 8 | file[i];
     const char *seed = getenv("M3_FUZZ_WRITE_SEED");
-    if (seed) {
-        fuzz_write(seed, file + 8, (size_t)hlen, NULL, 0);
-        exit(0);
+    if (seed) { /* the variant byte, then the header */
+        snprintf(path, sizeof path, "%s_%s.json", seed, v ? "mxfp8" : "bf16");
+        const uint8_t tag = (uint8_t)v;
+        fuzz_write(path, &tag, 1, file + 8, (size_t)hlen);
     }
-    g_data_bytes = n - 8 - (size_t)hlen;
-    g_data = malloc(g_data_bytes + 1);
-    if (!g_data)
+    g_data_bytes[v] = n - 8 - (size_t)hlen;
+    g_data[v] = malloc(g_data_bytes[v] + 1);
+    if (!g_data[v])
         exit(2);
-    memcpy(g_data, file + 8 + hlen, g_data_bytes);
+    memcpy(g_data[v], file + 8 + hlen, g_data_bytes[v]);
     free(file);
-    snprintf(g_ckpt, sizeof g_ckpt, "%s/ckpt", fuzz_dir());
-    if (mkdir(g_ckpt, 0700) != 0) {
-        perror(g_ckpt);
+    snprintf(g_ckpt[v], sizeof g_ckpt[v], "%s/ckpt%d", fuzz_dir(), v);
+    if (mkdir(g_ckpt[v], 0700) != 0) {
+        perror(g_ckpt[v]);
         exit(2);
     }
-    snprintf(path, sizeof path, "%s/config.json", g_ckpt);
-    fuzz_write(path, kConfig, sizeof kConfig - 1, NULL, 0);
+    /* the synthesized config.json: MXFP8's names its quantization */
+    char src[800];
+    snprintf(src, sizeof src, "%s/config.json", synth_dir);
+    uint8_t *cfg_text = read_all(src, &n);
+    snprintf(path, sizeof path, "%s/config.json", g_ckpt[v]);
+    fuzz_write(path, cfg_text, n, NULL, 0);
+    free(cfg_text);
+}
+
+static void setup(void) {
+    if (g_data[0])
+        return;
+    for (int v = 0; v < kVariants; v++)
+        setup_variant(v);
+    if (getenv("M3_FUZZ_WRITE_SEED"))
+        exit(0);
 }
 
 /* A prefill of 5 tokens and two decode steps; faults are the finding. */
@@ -124,19 +144,23 @@ static void run(m3_model *model) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     setup();
+    if (size < 1)
+        return 0;
+    const int v = data[0] % kVariants;
+    data++, size--;
     char path[800];
-    snprintf(path, sizeof path, "%s/model.safetensors", g_ckpt);
+    snprintf(path, sizeof path, "%s/model.safetensors", g_ckpt[v]);
     uint8_t len[8];
     for (int i = 0; i < 8; i++)
         len[i] = (uint8_t)((uint64_t)size >> (8 * i));
     FILE *f = fopen(path, "wb");
     if (!f || fwrite(len, 1, 8, f) != 8 || (size && fwrite(data, 1, size, f) != size) ||
-        fwrite(g_data, 1, g_data_bytes, f) != g_data_bytes || fclose(f) != 0) {
+        fwrite(g_data[v], 1, g_data_bytes[v], f) != g_data_bytes[v] || fclose(f) != 0) {
         perror(path);
         exit(2);
     }
     m3_model *model = NULL;
-    m3_status st = m3_model_load(g_ckpt, NULL, &model);
+    m3_status st = m3_model_load(g_ckpt[v], NULL, &model);
     fuzz_check_refusal(st, "m3_model_load");
     if (st != M3_OK)
         return 0;
