@@ -4,7 +4,7 @@
 The seeds are valid inputs of each parser (the released and flattened
 config spellings, small safetensors files of every dtype the reader knows,
 a shard index) and byte programs for the targets that read their input as
-choices (fuzz_engine, fuzz_api); libFuzzer mutates from them, and ctest replays them with
+choices (fuzz_engine, fuzz_api, fuzz_cp); libFuzzer mutates from them, and ctest replays them with
 whatever inputs a fuzzing run found worth keeping (scripts/fuzz). Inputs
 that depend on the library's own synthesized checkpoint (fuzz_model's
 headers) are written by the target itself (M3_FUZZ_WRITE_SEED). Run from
@@ -111,6 +111,9 @@ def main():
     for k in range(4):
         put("fuzz_api", str(k), bytes([k, 0, 0, 0, 1, 0, 2] +
                                       [rng.randrange(256) for _ in range(200)]))
+    rng = random.Random(3)  # fuzz_cp: shapes, lengths, tables, then values
+    for k in range(4):
+        put("fuzz_cp", str(k), bytes([rng.randrange(256) for _ in range(600)]))
 
 
 if __name__ == "__main__":
