@@ -36,6 +36,21 @@ static inline void fuzz_fail(const char *fmt, ...) {
     abort();
 }
 
+/* The input read as a stream of choices (the targets whose bytes pick
+ * shapes and calls rather than being parsed): each take is the next byte,
+ * 0 once the input runs out, so every input is a complete program. */
+typedef struct {
+    const uint8_t *p;
+    size_t n;
+} fuzz_bytes;
+
+static inline unsigned fuzz_take(fuzz_bytes *s) {
+    if (!s->n)
+        return 0;
+    s->n--;
+    return *s->p++;
+}
+
 /* A refusal must say what is wrong. With M3_FUZZ_VERBOSE set, every
  * outcome is printed (to see what a corpus exercises). */
 static inline void fuzz_check_refusal(m3_status st, const char *what) {

@@ -16,18 +16,6 @@
 
 #include "fuzz.h"
 
-typedef struct {
-    const uint8_t *p;
-    size_t n;
-} bytes_src;
-
-static unsigned take(bytes_src *s) {
-    if (!s->n)
-        return 0;
-    s->n--;
-    return *s->p++;
-}
-
 /* 4 query heads over 2 KV heads (so TP 2 splits it), a dense layer then
  * two sparse MoE layers (what mono fuses), 128-dim index heads. */
 static const char kConfig[] =
@@ -96,24 +84,24 @@ static int live_slot(const state *st, m3_seq id) {
 
 /* A sequence id for a request: mostly a slot's (live, or freed), sometimes
  * one never made. Sets *slot to the live slot holding it (-1: none). */
-static m3_seq pick_seq(bytes_src *s, const state *st, int *slot) {
-    unsigned b = take(s);
+static m3_seq pick_seq(fuzz_bytes *s, const state *st, int *slot) {
+    unsigned b = fuzz_take(s);
     m3_seq id = b % 8 == 7 ? (m3_seq)(b % 3 == 0 ? -1 : 17 + (int)(b % 5))
                            : st->ids[b % kSlots];
     *slot = live_slot(st, id);
     return id;
 }
 
-static void op_step(bytes_src *s, state *st, bool decode) {
-    int n_reqs = (int)(take(s) % 5);
+static void op_step(fuzz_bytes *s, state *st, bool decode) {
+    int n_reqs = (int)(fuzz_take(s) % 5);
     m3_request reqs[4];
     int slots[4];
     int32_t toks[4][12];
     for (int r = 0; r < n_reqs; r++) {
         reqs[r].seq = pick_seq(s, st, &slots[r]);
-        reqs[r].n_tokens = decode ? 1 : (int)(take(s) % 12);
+        reqs[r].n_tokens = decode ? 1 : (int)(fuzz_take(s) % 12);
         for (int t = 0; t < 12; t++) {
-            unsigned b = take(s);
+            unsigned b = fuzz_take(s);
             toks[r][t] = b < 224 ? (int32_t)(b % kVocab) : kTokenIds[b % COUNT(kTokenIds)];
         }
         reqs[r].tokens = toks[r];
@@ -124,8 +112,8 @@ static void op_step(bytes_src *s, state *st, bool decode) {
     m3_status rc;
     int32_t sampled[4] = {-7, -7, -7, -7};
     if (decode) {
-        m3_sampler smp = {kTemps[take(s) % COUNT(kTemps)], kTopK[take(s) % COUNT(kTopK)],
-                          kTopP[take(s) % COUNT(kTopP)], take(s)};
+        m3_sampler smp = {kTemps[fuzz_take(s) % COUNT(kTemps)], kTopK[fuzz_take(s) % COUNT(kTopK)],
+                          kTopP[fuzz_take(s) % COUNT(kTopP)], fuzz_take(s)};
         m3_rng rng;
         m3_rng_seed(&rng, 3);
         rc = m3_engine_decode(st->eng, reqs, n_reqs, &smp, &rng, 0, sampled, logits);
@@ -150,15 +138,15 @@ static void op_step(bytes_src *s, state *st, bool decode) {
     check_lengths(st, decode ? "m3_engine_decode" : "m3_engine_step");
 }
 
-static void op_sample(bytes_src *s) {
+static void op_sample(fuzz_bytes *s) {
     float logits[8];
-    int vocab = 1 + (int)(take(s) % 8);
+    int vocab = 1 + (int)(fuzz_take(s) % 8);
     for (int i = 0; i < vocab; i++)
-        logits[i] = kLogits[take(s) % COUNT(kLogits)];
-    m3_sampler smp = {kTemps[take(s) % COUNT(kTemps)], kTopK[take(s) % COUNT(kTopK)],
-                      kTopP[take(s) % COUNT(kTopP)], take(s)};
+        logits[i] = kLogits[fuzz_take(s) % COUNT(kLogits)];
+    m3_sampler smp = {kTemps[fuzz_take(s) % COUNT(kTemps)], kTopK[fuzz_take(s) % COUNT(kTopK)],
+                      kTopP[fuzz_take(s) % COUNT(kTopP)], fuzz_take(s)};
     m3_rng rng;
-    m3_rng_seed(&rng, take(s));
+    m3_rng_seed(&rng, fuzz_take(s));
     int32_t tok = -7;
     m3_status rc = m3_sample(&smp, &rng, logits, vocab, &tok);
     fuzz_check_refusal(rc, "m3_sample");
@@ -185,16 +173,16 @@ static m3_engine *make_engine(unsigned kind) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     setup();
-    bytes_src s = {data, size};
+    fuzz_bytes s = {data, size};
     state st = {0};
-    st.eng = make_engine(take(&s));
+    st.eng = make_engine(fuzz_take(&s));
     for (int i = 0; i < kSlots; i++)
         st.ids[i] = -1;
     for (int op = 0; op < 64 && s.n; op++) {
-        unsigned b = take(&s);
+        unsigned b = fuzz_take(&s);
         switch (b % 5) {
         case 0: { /* a new sequence in a free slot */
-            int i = (int)(take(&s) % kSlots);
+            int i = (int)(fuzz_take(&s) % kSlots);
             if (st.live[i])
                 break;
             m3_seq id;
@@ -209,7 +197,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             break;
         }
         case 1: { /* free a slot's sequence, live or not */
-            int i = (int)(take(&s) % kSlots), holder = live_slot(&st, st.ids[i]);
+            int i = (int)(fuzz_take(&s) % kSlots), holder = live_slot(&st, st.ids[i]);
             m3_status rc = m3_seq_free(st.eng, st.ids[i]);
             fuzz_check_refusal(rc, "m3_seq_free");
             if (rc == M3_OK && holder < 0)

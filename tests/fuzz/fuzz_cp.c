@@ -25,23 +25,11 @@
 #include "core/bf16.h"
 #include "fuzz.h"
 
-typedef struct {
-    const uint8_t *p;
-    size_t n;
-} bytes_src;
-
-static unsigned take(bytes_src *s) {
-    if (!s->n)
-        return 0;
-    s->n--;
-    return *s->p++;
-}
-
 enum { kDim = M3_CP_DIM, kMaxReqs = 3, kMaxQ = 3, kMaxPages = 8, kMaxWorld = 5 };
 
 /* A bf16 value: mostly small normal numbers, sometimes a special one. */
-static uint16_t draw_bf16(bytes_src *s) {
-    unsigned b = take(s);
+static uint16_t draw_bf16(fuzz_bytes *s) {
+    unsigned b = fuzz_take(s);
     if (b >= 250) {
         static const uint16_t special[] = {0x7fc0, 0x7f80, 0xff80, 0x0000, 0x8000, 0x7f7f};
         return special[b % 6];
@@ -50,22 +38,22 @@ static uint16_t draw_bf16(bytes_src *s) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    bytes_src s = {data, size};
-    const int heads = 1 + (int)(take(&s) % 3);
-    const int batch = 1 + (int)(take(&s) % kMaxReqs);
-    const int qlen = 1 + (int)(take(&s) % kMaxQ);
-    const int world = 1 + (int)(take(&s) % kMaxWorld);
-    const int64_t max_seq = 1 + (int64_t)((take(&s) << 8 | take(&s)) % 900);
-    const int pages = 1 + (int)(take(&s) % kMaxPages);
-    m3_select_params p = {1 + (int)(take(&s) % 6), (int)(take(&s) % 3), (int)(take(&s) % 3)};
+    fuzz_bytes s = {data, size};
+    const int heads = 1 + (int)(fuzz_take(&s) % 3);
+    const int batch = 1 + (int)(fuzz_take(&s) % kMaxReqs);
+    const int qlen = 1 + (int)(fuzz_take(&s) % kMaxQ);
+    const int world = 1 + (int)(fuzz_take(&s) % kMaxWorld);
+    const int64_t max_seq = 1 + (int64_t)((fuzz_take(&s) << 8 | fuzz_take(&s)) % 900);
+    const int pages = 1 + (int)(fuzz_take(&s) % kMaxPages);
+    m3_select_params p = {1 + (int)(fuzz_take(&s) % 6), (int)(fuzz_take(&s) % 3), (int)(fuzz_take(&s) % 3)};
     const bool bad_params = p.init_blocks + p.local_blocks > p.topk; /* forced beyond top-k */
     const int64_t gblocks = m3_cp_global_blocks(max_seq);
     const int64_t table_w = gblocks;
     int32_t lens[kMaxReqs];
     for (int r = 0; r < batch; r++) {
-        unsigned b = take(&s);
+        unsigned b = fuzz_take(&s);
         lens[r] = b >= 248 ? (b % 2 ? -1 : (int32_t)max_seq + 1)
-                           : (int32_t)((b * 37 + take(&s)) % (max_seq + 1));
+                           : (int32_t)((b * 37 + fuzz_take(&s)) % (max_seq + 1));
     }
     int32_t *table = malloc((size_t)batch * (size_t)table_w * sizeof *table);
     const int tokens = batch * qlen;
@@ -74,7 +62,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!table || !q || !cache)
         exit(2);
     for (int64_t i = 0; i < batch * table_w; i++) {
-        unsigned b = take(&s);
+        unsigned b = fuzz_take(&s);
         table[i] = b >= 250 ? (b % 2 ? -1 : pages) : (int32_t)(b % (unsigned)pages);
     }
     for (int64_t i = 0; i < (int64_t)tokens * heads * kDim; i++)

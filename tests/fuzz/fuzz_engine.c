@@ -22,22 +22,10 @@
 
 #include "fuzz.h"
 
-typedef struct {
-    const uint8_t *p;
-    size_t n;
-} bytes_src;
-
-static unsigned take(bytes_src *s) {
-    if (!s->n)
-        return 0;
-    s->n--;
-    return *s->p++;
-}
-
 /* One of n choices: the first ones are the space's common values, the
  * last ones its edges, so most inputs run and some probe the checks. */
 #define PICK(s, ...)                                                                 \
-    ((const int[]){__VA_ARGS__}[take(s) % (sizeof((const int[]){__VA_ARGS__}) /      \
+    ((const int[]){__VA_ARGS__}[fuzz_take(s) % (sizeof((const int[]){__VA_ARGS__}) /      \
                                            sizeof(int))])
 
 typedef struct {
@@ -55,7 +43,7 @@ static void flags(char *out, size_t cap, const int *f, int n) {
         snprintf(out + k, cap - k, "]");
 }
 
-static void draw(bytes_src *s, fuzz_case *fc) {
+static void draw(fuzz_bytes *s, fuzz_case *fc) {
     int layers = PICK(s, 1, 2, 3, 4, 2, 3, 0, 5);
     int kv = PICK(s, 2, 1, 2, 4, 3, 0);
     int group = PICK(s, 1, 2, 2, 4, 3, 1);
@@ -81,18 +69,18 @@ static void draw(bytes_src *s, fuzz_case *fc) {
     int maxpos = PICK(s, 4096, 1024, 300, 1048576, 0);
     int moe[8] = {0}, sparse[8] = {0};
     int n_flags = layers > 0 && layers <= 8 ? layers : 1;
-    unsigned mask_moe = take(s), mask_sparse = take(s);
+    unsigned mask_moe = fuzz_take(s), mask_sparse = fuzz_take(s);
     /* most often a run of sparse MoE layers to the end, as in M3 (what
      * the mono path fuses); else any mix */
-    unsigned run_from = take(s);
+    unsigned run_from = fuzz_take(s);
     for (int i = 0; i < n_flags; i++) {
         moe[i] = (mask_moe >> i) & 1;
         sparse[i] = (mask_sparse >> i) & 1;
         if (run_from < 192 && i >= (int)(run_from % (unsigned)n_flags))
             moe[i] = sparse[i] = 1;
     }
-    fc->mxfp8 = (take(s) % 6) == 0;
-    fc->seed = take(s);
+    fc->mxfp8 = (fuzz_take(s) % 6) == 0;
+    fc->seed = fuzz_take(s);
     fc->n_prompt = PICK(s, 140, 3, 40, 257, 20, 130);
     fc->chunk = PICK(s, 64, 37, 256, 7);
     fc->n_decode = PICK(s, 2, 3, 1);
@@ -198,7 +186,7 @@ static bool run_engine(m3_model *model, const fuzz_case *fc, const engine_kind *
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    bytes_src s = {data, size};
+    fuzz_bytes s = {data, size};
     fuzz_case fc;
     draw(&s, &fc);
     m3_config cfg;
@@ -254,7 +242,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
      * fraction of a second under the sanitizers */
     enum { n_kinds = sizeof kinds / sizeof kinds[0] };
     bool run[n_kinds] = {true};
-    unsigned pick = take(&s);
+    unsigned pick = fuzz_take(&s);
     for (unsigned j = 0; j < 3; j++) {
         unsigned k = 1 + (pick + j * 3) % (n_kinds - 1);
         run[k] = true;

@@ -19,8 +19,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fuzz_check_refusal(st, "m3_st_open_file");
     if (st != M3_OK)
         return 0;
-    for (size_t i = 0; i < m3_st_count(set); i++)
-        fuzz_check_st_entry(set, m3_st_at(set, i));
-    m3_st_close(set);
+    fuzz_check_st_set(set);
     return 0;
 }

@@ -36,4 +36,11 @@ static inline void fuzz_check_st_entry(const m3_st_set *set, const m3_st_entry *
     }
 }
 
+/* Every entry of an accepted set checked, then the set closed. */
+static inline void fuzz_check_st_set(m3_st_set *set) {
+    for (size_t i = 0; i < m3_st_count(set); i++)
+        fuzz_check_st_entry(set, m3_st_at(set, i));
+    m3_st_close(set);
+}
+
 #endif /* M3_TESTS_FUZZ_ST_H */
