@@ -5,8 +5,9 @@
  * kind, forced blocks, the shared expert, routing bias, tied embeddings,
  * MXFP8), mostly inside the space, sometimes at or past its edges. The
  * config is parsed, synthesized, loaded, and a prompt long enough for the
- * indexer's selection to matter is run with two sequences decoding
- * together, by stock at TP 1 (the reference) and three engines of
+ * indexer's selection to matter is run, then 1-5 sequences decode together
+ * (the mono path's row limit sometimes below that, so mono and stock steps
+ * interleave), by stock at TP 1 (the reference) and three engines of
  * these, chosen by the input: stock at TP 1 again in chunks of 5 prompt
  * rows on one thread, mono and auto at TP 1, stock, mono and auto at TP 2
  * (ranks as threads), stock and mono at TP 2 with indexer context
@@ -33,6 +34,8 @@ typedef struct {
     bool mxfp8;
     uint64_t seed;
     int n_prompt, chunk, n_decode;
+    int n_seqs;        /* sequences decoding together: the prompt's and n_seqs - 1 short ones */
+    int mono_max_rows; /* 0: the default; 1-3: wider decode steps run stock between mono ones */
 } fuzz_case;
 
 static void flags(char *out, size_t cap, const int *f, int n) {
@@ -84,6 +87,8 @@ static void draw(fuzz_bytes *s, fuzz_case *fc) {
     fc->n_prompt = PICK(s, 140, 3, 40, 257, 20, 130);
     fc->chunk = PICK(s, 64, 37, 256, 7);
     fc->n_decode = PICK(s, 2, 3, 1);
+    fc->n_seqs = PICK(s, 2, 1, 3, 5, 2, 4);
+    fc->mono_max_rows = PICK(s, 0, 0, 1, 2, 3);
 
     char fm[64], fs[64];
     flags(fm, sizeof fm, moe, n_flags);
@@ -119,9 +124,9 @@ static void draw(fuzz_bytes *s, fuzz_case *fc) {
 }
 
 /* Logits of every row the engine computes: the prompt's prefill (chunked),
- * then n_decode steps of two sequences (the prompt's and a 3-token one)
- * decoding together; out receives rows x vocab floats. Returns false when
- * the engine refuses the model (with a message). */
+ * the other sequences' 3-token prompts in one step, then n_decode steps of
+ * every sequence decoding together; out receives rows x vocab floats.
+ * Returns false when the engine refuses the model (with a message). */
 typedef struct {
     m3_decode_path decode;
     int tp;
@@ -140,7 +145,8 @@ static bool run_engine(m3_model *model, const fuzz_case *fc, const engine_kind *
     eo.threads = k->threads ? k->threads : 2;
     eo.max_tokens = 1024;
     eo.max_rows = chunk;
-    eo.max_seqs = 2;
+    eo.max_seqs = fc->n_seqs;
+    eo.mono_max_rows = fc->mono_max_rows;
     eo.tp = k->tp;
     eo.decode = k->decode;
     eo.indexer_cp = k->indexer_cp;
@@ -154,31 +160,43 @@ static bool run_engine(m3_model *model, const fuzz_case *fc, const engine_kind *
     int32_t tokens[512];
     for (int i = 0; i < fc->n_prompt; i++)
         tokens[i] = (int32_t)((i * 7 + 3) % V);
-    m3_seq a, b;
-    if (m3_seq_create(eng, &a) != M3_OK || m3_seq_create(eng, &b) != M3_OK)
-        fuzz_fail("%s: m3_seq_create: %s", k->name, m3_last_error());
+    m3_seq seqs[5];
+    for (int i = 0; i < fc->n_seqs; i++)
+        if (m3_seq_create(eng, &seqs[i]) != M3_OK)
+            fuzz_fail("%s: m3_seq_create: %s", k->name, m3_last_error());
     size_t rows = 0;
     for (int at = 0; at < fc->n_prompt; at += chunk) {
         int n = fc->n_prompt - at < chunk ? fc->n_prompt - at : chunk;
-        m3_request rq = {a, tokens + at, n};
+        m3_request rq = {seqs[0], tokens + at, n};
         st = m3_engine_step(eng, &rq, 1, NULL, out + rows * (size_t)V);
         if (st != M3_OK)
             fuzz_fail("%s: prefill at %d: %s", k->name, at, m3_last_error());
         rows += (size_t)n;
     }
-    const int32_t b_prompt[3] = {1 % V, 2 % V, 3 % V};
-    m3_request rb = {b, b_prompt, 3};
-    st = m3_engine_step(eng, &rb, 1, NULL, out + rows * (size_t)V);
-    if (st != M3_OK)
-        fuzz_fail("%s: second prompt: %s", k->name, m3_last_error());
-    rows += 3;
+    const int32_t short_prompts[4][3] = {
+        {1 % V, 2 % V, 3 % V}, {4 % V, 5 % V, 6 % V}, {7 % V, 8 % V, 9 % V}, {3 % V, 1 % V, 4 % V}};
+    m3_request rq[5];
+    for (int i = 1; i < fc->n_seqs;) { /* the short prompts, chunk rows a step (chunk >= 7) */
+        int n = 0;
+        while (i < fc->n_seqs && 3 * (n + 1) <= chunk) {
+            rq[n++] = (m3_request){seqs[i], short_prompts[i - 1], 3};
+            i++;
+        }
+        st = m3_engine_step(eng, rq, n, NULL, out + rows * (size_t)V);
+        if (st != M3_OK)
+            fuzz_fail("%s: short prompts: %s", k->name, m3_last_error());
+        rows += 3 * (size_t)n;
+    }
+    int32_t next[5];
     for (int d = 0; d < fc->n_decode; d++) {
-        int32_t ta = (int32_t)((d * 5 + 1) % V), tb = (int32_t)((d * 11 + 2) % V);
-        m3_request two[2] = {{a, &ta, 1}, {b, &tb, 1}};
-        st = m3_engine_step(eng, two, 2, NULL, out + rows * (size_t)V);
+        for (int i = 0; i < fc->n_seqs; i++) {
+            next[i] = (int32_t)((d * 5 + i * 11 + 1) % V);
+            rq[i] = (m3_request){seqs[i], &next[i], 1};
+        }
+        st = m3_engine_step(eng, rq, fc->n_seqs, NULL, out + rows * (size_t)V);
         if (st != M3_OK)
             fuzz_fail("%s: decode step %d: %s", k->name, d, m3_last_error());
-        rows += 2;
+        rows += (size_t)fc->n_seqs;
     }
     m3_engine_free(eng);
     *rows_out = rows;
@@ -214,7 +232,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     st = m3_model_load(dir, NULL, &model);
     if (st != M3_OK)
         fuzz_fail("a synthesized checkpoint does not load: %s", m3_last_error());
-    size_t rows_max = (size_t)fc.n_prompt + 3 + 2 * (size_t)fc.n_decode;
+    size_t rows_max = (size_t)fc.n_prompt + 3 * 4 + 5 * (size_t)fc.n_decode;
     size_t per = rows_max * (size_t)cfg.vocab_size;
     float *ref = malloc(per * sizeof *ref), *got = malloc(per * sizeof *got);
     if (!ref || !got)
