@@ -29,6 +29,7 @@ static bool is_eos(const m3_config *c, int32_t token) {
 }
 
 static m3_status check_gen(const m3_engine *e, int n_prompt, const m3_gen_opts *o) {
+    M3_TRY(m3_sampler_check(&o->sampler)); /* now, not after a long prefill */
     if (n_prompt < 1)
         return m3_fail(M3_ERR_INVALID_ARG, "the prompt is empty: at least one token is needed");
     if (o->max_new_tokens < 0)

@@ -4,7 +4,8 @@
  * never made or already freed), steps with 0-4 requests of 0-11 tokens
  * (ids out of the vocabulary, a sequence twice, past the context or the
  * cache), decode steps that sample with any sampler (negative, NaN or
- * infinite temperature, top-k and top-p out of range), and m3_sample on
+ * infinite temperature, top-k and top-p out of range), m3_generate (any
+ * prompt length, token count, sampler and early stop), and m3_sample on
  * logits with NaN and infinities. The engine is one of: stock, auto, mono
  * at TP 1 or auto at TP 2 (CPU). Properties (include/m3.h): a failing call
  * says why; on failure no sequence changes (every live sequence keeps its
@@ -154,6 +155,49 @@ static void op_sample(fuzz_bytes *s) {
         fuzz_fail("m3_sample chose %d of %d logits", tok, vocab);
 }
 
+/* m3_generate on a prompt of 0-24 tokens (sometimes past the context),
+ * 0-5 new tokens (or -1), any sampler, stopping at EOS or not, and an
+ * on_token callback that may stop early. It works in a sequence of its
+ * own and frees it: the live sequences keep their lengths either way. */
+static int stop_after(void *user, int32_t token, const float *logits, int vocab) {
+    int *left = user;
+    (void)token, (void)logits, (void)vocab;
+    return --*left <= 0;
+}
+
+static void op_generate(fuzz_bytes *s, state *st) {
+    int32_t prompt[300];
+    unsigned b = fuzz_take(s);
+    int n_prompt = b >= 250 ? 300 : (int)(b % 25);
+    for (int i = 0; i < n_prompt; i++)
+        prompt[i] = (int32_t)(fuzz_take(s) % kVocab);
+    m3_gen_opts o = m3_gen_defaults();
+    o.max_new_tokens = (int)(fuzz_take(s) % 7) - 1;
+    o.sampler = (m3_sampler){kTemps[fuzz_take(s) % COUNT(kTemps)],
+                             kTopK[fuzz_take(s) % COUNT(kTopK)],
+                             kTopP[fuzz_take(s) % COUNT(kTopP)], fuzz_take(s)};
+    o.stop_at_eos = fuzz_take(s) % 2;
+    int left = (int)(fuzz_take(s) % 4);
+    if (left) {
+        o.on_token = stop_after;
+        o.user = &left;
+    }
+    m3_gen_result res;
+    m3_status rc = m3_generate(st->eng, prompt, n_prompt, &o, &res);
+    fuzz_check_refusal(rc, "m3_generate");
+    if (rc == M3_OK) {
+        if (res.n_tokens < 0 || res.n_tokens > o.max_new_tokens)
+            fuzz_fail("m3_generate made %d tokens of %d", res.n_tokens, o.max_new_tokens);
+        for (int i = 0; i < res.n_tokens; i++)
+            if (res.tokens[i] < 0 || res.tokens[i] >= kVocab)
+                fuzz_fail("m3_generate made token %d", res.tokens[i]);
+        free(res.tokens);
+    } else if (res.tokens || res.n_tokens) {
+        fuzz_fail("a failed m3_generate left %d tokens", res.n_tokens);
+    }
+    check_lengths(st, "m3_generate");
+}
+
 static m3_engine *make_engine(unsigned kind) {
     m3_engine_opts eo = m3_engine_defaults();
     eo.threads = 2;
@@ -180,7 +224,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         st.ids[i] = -1;
     for (int op = 0; op < 64 && s.n; op++) {
         unsigned b = fuzz_take(&s);
-        switch (b % 5) {
+        switch (b % 6) {
         case 0: { /* a new sequence in a free slot */
             int i = (int)(fuzz_take(&s) % kSlots);
             if (st.live[i])
@@ -214,6 +258,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             break;
         case 3:
             op_step(&s, &st, true);
+            break;
+        case 4:
+            op_generate(&s, &st);
             break;
         default:
             op_sample(&s);
