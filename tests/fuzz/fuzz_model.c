@@ -2,16 +2,17 @@
  * A checkpoint's safetensors header against the model binder: the folder
  * holds a fixed small config.json and one model.safetensors whose data
  * section is a synthesized model's (bf16 or MXFP8: the input's first
- * byte) and whose header is the rest of the input (so names, dtypes,
- * shapes and offsets are what varies). The binder promises
+ * byte; its second says how many 4-byte poisonings of the data follow:
+ * NaN, infinities, the largest values) and whose header is the rest of
+ * the input (so names, dtypes, shapes and offsets are what varies). The binder promises
  * (model/model.c) that a checkpoint it accepts has every tensor the
  * config needs, with its shape and dtype, inside the file. Properties: a
  * refusal has a message; an accepted model builds a CPU engine that runs
  * a prefill and two decode steps without a fault (the values are whatever
- * the bytes hold, so they are not checked).
+ * the bytes hold, NaN included, so they are not checked).
  *
- * M3_FUZZ_WRITE_SEED=PREFIX writes the valid inputs (the variant byte and
- * the synthesized header) to PREFIX_bf16.json and PREFIX_mxfp8.json and
+ * M3_FUZZ_WRITE_SEED=PREFIX writes the valid inputs (the variant byte, no
+ * poison, the synthesized header) to PREFIX_bf16.json and PREFIX_mxfp8.json and
  * exits: the seeds of corpus/fuzz_model.
  */
 #include "fuzz.h"
@@ -79,10 +80,10 @@ static void setup_variant(int v) {
     for (int i = 7; i >= 0; i--)
         hlen = hlen << 8 | file[i];
     const char *seed = getenv("M3_FUZZ_WRITE_SEED");
-    if (seed) { /* the variant byte, then the header */
+    if (seed) { /* the variant byte, no poison, then the header */
         snprintf(path, sizeof path, "%s_%s.json", seed, v ? "mxfp8" : "bf16");
-        const uint8_t tag = (uint8_t)v;
-        fuzz_write(path, &tag, 1, file + 8, (size_t)hlen);
+        const uint8_t tag[2] = {(uint8_t)v, 0};
+        fuzz_write(path, tag, 2, file + 8, (size_t)hlen);
     }
     g_data_bytes[v] = n - 8 - (size_t)hlen;
     g_data[v] = malloc(g_data_bytes[v] + 1);
@@ -142,12 +143,30 @@ static void run(m3_model *model) {
     m3_engine_free(eng);
 }
 
+/* Poison: up to 7 places in the data section set to NaN, an infinity,
+ * the largest finite bf16 / e4m3 or zero (2 bytes: a bf16 weight, half an
+ * fp32 one, two e4m3 weights or scales), so no value breaks the engine. */
+static const uint8_t kPoison[][2] = {{0xc0, 0x7f}, {0x80, 0x7f}, {0x80, 0xff},
+                                     {0x7f, 0x7f}, {0x7e, 0xfe}, {0x00, 0x00}};
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     setup();
-    if (size < 1)
+    if (size < 2)
         return 0;
     const int v = data[0] % kVariants;
-    data++, size--;
+    const int n_poison = data[1] % 8;
+    data += 2, size -= 2;
+    if (size < (size_t)n_poison * 4)
+        return 0;
+    uint8_t *file_data = malloc(g_data_bytes[v]);
+    if (!file_data)
+        exit(2);
+    memcpy(file_data, g_data[v], g_data_bytes[v]);
+    for (int i = 0; i < n_poison; i++, data += 4, size -= 4) {
+        size_t at = ((size_t)data[0] << 16 | (size_t)data[1] << 8 | data[2]) * 2 %
+                    (g_data_bytes[v] - 1);
+        memcpy(file_data + at, kPoison[data[3] % 6], 2);
+    }
     char path[800];
     snprintf(path, sizeof path, "%s/model.safetensors", g_ckpt[v]);
     uint8_t len[8];
@@ -155,10 +174,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         len[i] = (uint8_t)((uint64_t)size >> (8 * i));
     FILE *f = fopen(path, "wb");
     if (!f || fwrite(len, 1, 8, f) != 8 || (size && fwrite(data, 1, size, f) != size) ||
-        fwrite(g_data[v], 1, g_data_bytes[v], f) != g_data_bytes[v] || fclose(f) != 0) {
+        fwrite(file_data, 1, g_data_bytes[v], f) != g_data_bytes[v] || fclose(f) != 0) {
         perror(path);
         exit(2);
     }
+    free(file_data);
     m3_model *model = NULL;
     m3_status st = m3_model_load(g_ckpt[v], NULL, &model);
     fuzz_check_refusal(st, "m3_model_load");

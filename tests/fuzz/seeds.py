@@ -7,7 +7,8 @@ a shard index) and byte programs for the targets that read their input as
 choices (fuzz_engine, fuzz_api, fuzz_cp); libFuzzer mutates from them, and ctest replays them with
 whatever inputs a fuzzing run found worth keeping (scripts/fuzz). Inputs
 that depend on the library's own synthesized checkpoint (fuzz_model's
-headers) are written by the target itself (M3_FUZZ_WRITE_SEED). Run from
+headers) are written by the target itself (M3_FUZZ_WRITE_SEED), before
+this script derives their poisoned copies. Run from
 anywhere; standard library only; deterministic.
 """
 import json
@@ -111,6 +112,16 @@ def main():
     for k in range(4):
         put("fuzz_api", str(k), bytes([k, 0, 0, 0, 1, 0, 2] +
                                       [rng.randrange(256) for _ in range(200)]))
+    # fuzz_model: a poisoned copy of each seed the target wrote (its
+    # variant byte, 7 poisonings of 4 bytes, then the header)
+    rng = random.Random(5)
+    for v in ("bf16", "mxfp8"):
+        path = os.path.join(HERE, "corpus", "fuzz_model", "seed_%s.json" % v)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                b = f.read()
+            poison = bytes([rng.randrange(256) for _ in range(28)])
+            put("fuzz_model", v + "_poisoned.json", b[:1] + bytes([7]) + poison + b[2:])
     rng = random.Random(3)  # fuzz_cp: shapes, lengths, tables, then values
     for k in range(4):
         put("fuzz_cp", str(k), bytes([rng.randrange(256) for _ in range(600)]))
