@@ -43,6 +43,38 @@ static inline float m3_e4m3_to_f32(uint8_t b) {
     return sign ? -v : v;
 }
 
+/* fp32 -> e4m3 (fn), round to nearest, ties to even, for |f| <= 448 (the
+ * largest finite e4m3; callers scale blocks into range first): a binary
+ * search over the 127 increasing magnitudes, each built from its bits
+ * (subnormals m * 2^-9, normals (1 + m/8) * 2^(e-7)). Used by synth. */
+static inline float m3_e4m3_magnitude_(int c) {
+    int e = c >> 3, m = c & 7;
+    if (e == 0)
+        return (float)m * 0.001953125f;
+    uint32_t bits = (uint32_t)(e - 7 + 127) << 23 | (uint32_t)m << 20;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+static inline uint8_t m3_f32_to_e4m3(float f) {
+    uint8_t sign = f < 0 ? 0x80 : 0;
+    float a = fabsf(f);
+    int lo = 0, hi = 126; /* the largest code whose magnitude is <= a */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (m3_e4m3_magnitude_(mid) <= a)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    if (lo < 126) {
+        float below = a - m3_e4m3_magnitude_(lo), above = m3_e4m3_magnitude_(lo + 1) - a;
+        if (above < below || (above == below && !((lo + 1) & 1)))
+            lo++;
+    }
+    return sign | (uint8_t)lo;
+}
+
 /* The MXFP8 block scale 2^(s-127) (s = 255 is NaN in the OCP format). */
 static inline float m3_e8m0_to_f32(uint8_t s) {
     if (s == 255)

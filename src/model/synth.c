@@ -174,42 +174,6 @@ static float value_at(const synth_tensor *t, uint64_t key, int64_t j) {
     return u;
 }
 
-/* The magnitude of e4m3 (fn) code c in [0, 126] (sign bit clear), built
- * from its bits (m3_e4m3_to_f32's values without its scaling call):
- * subnormals m * 2^-9, normals (1 + m/8) * 2^(e-7). Increasing in c. */
-static float e4m3_magnitude(int c) {
-    int e = c >> 3, m = c & 7;
-    if (e == 0)
-        return (float)m * 0.001953125f;
-    uint32_t bits = (uint32_t)(e - 7 + 127) << 23 | (uint32_t)m << 20;
-    float v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-/* e4m3 (fn) encoding with round-to-nearest-even; |x| is within range. A
- * binary search over the increasing magnitudes (the search over all 127
- * codes per element made MXFP8 synth compute-bound). */
-static uint8_t f32_to_e4m3(float x) {
-    uint8_t sign = x < 0 ? 0x80 : 0;
-    float a = fabsf(x);
-    int lo = 0, hi = 126; /* the largest code whose magnitude is <= a */
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (e4m3_magnitude(mid) <= a)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    int best = lo;
-    if (lo < 126) {
-        float below = a - e4m3_magnitude(lo), above = e4m3_magnitude(lo + 1) - a;
-        if (above < below || (above == below && !((lo + 1) & 1)))
-            best = lo + 1;
-    }
-    return sign | (uint8_t)best;
-}
-
 typedef struct fill_job {
     const synth_tensor *t;
     uint64_t key;
@@ -251,7 +215,7 @@ static void fill_range(void *ctx, int64_t begin, int64_t end, int thread) {
                 s = block_exponent(t, job->key, j - j % 32);
             }
             float scaled = value_at(t, job->key, j) / m3_e8m0_to_f32(s);
-            ((uint8_t *)job->buf)[i] = f32_to_e4m3(scaled);
+            ((uint8_t *)job->buf)[i] = m3_f32_to_e4m3(scaled);
             break;
         }
         default:

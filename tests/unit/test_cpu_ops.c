@@ -38,6 +38,7 @@
  * test_cpu_moe_ops.c SwiGLU and the MoE; cpu_ops_check.h holds what they
  * share.
  */
+#include "core/bf16.h"
 #include "cpu_ops_check.h"
 
 /* ------------------------------------------------------------ embed, gather */
@@ -436,8 +437,48 @@ static void test_reference_rounding(void) {
     CHECK(ref_e4m3(0xC0) == -2.0 && isnan(ref_e4m3(0xff)));
 }
 
+/* m3_f32_to_e4m3 (synth's encoder) against a search over every code: the
+ * nearest finite magnitude, ties to the even code, the sign kept; on every
+ * code's value, the midpoints between neighbours (the ties) and values a
+ * hair either side of them, and random values in range. */
+static uint8_t brute_e4m3(float f) {
+    float a = fabsf(f), best_err = INFINITY;
+    int best = 0;
+    for (int c = 0; c < 127; c++) {
+        float err = fabsf((float)ref_e4m3((uint8_t)c) - a);
+        if (err < best_err || (err == best_err && !(c & 1))) {
+            best = c;
+            best_err = err;
+        }
+    }
+    return (uint8_t)((f < 0 ? 0x80 : 0) | best);
+}
+
+static void test_e4m3_encode(void) {
+    int bad = 0;
+    for (int c = 0; c < 127; c++) {
+        float v = (float)ref_e4m3((uint8_t)c);
+        float probes[5] = {v, -v, 0, 0, 0};
+        if (c < 126) {
+            float mid = (v + (float)ref_e4m3((uint8_t)(c + 1))) / 2; /* exact: few bits */
+            probes[2] = mid;
+            probes[3] = nextafterf(mid, 0);
+            probes[4] = -nextafterf(mid, INFINITY);
+        }
+        for (int i = 0; i < 5; i++)
+            bad += m3_f32_to_e4m3(probes[i]) != brute_e4m3(probes[i]);
+    }
+    for (int i = 0; i < 20000; i++) {
+        float f = rng_sym(448.0f) * (i % 3 ? 1.0f : 0x1p-8f);
+        bad += m3_f32_to_e4m3(f) != brute_e4m3(f);
+    }
+    CHECK(bad == 0);
+    CHECK(m3_f32_to_e4m3(448.0f) == 0x7e && m3_f32_to_e4m3(-1.0f) == 0xb8);
+    CHECK(m3_f32_to_e4m3(0x1p-10f) == 0x00); /* half the smallest subnormal: tie to 0 */
+}
+
 int main(void) {
-    void (*const tests[])(void) = {test_reference_rounding, test_embed, test_gather_rows,
+    void (*const tests[])(void) = {test_reference_rounding, test_e4m3_encode, test_embed, test_gather_rows,
                                    test_add_rmsnorm, test_linear, test_head_norm_rope,
                                    test_cache_write};
     return cpu_ops_main("test_cpu_ops", tests, (int)(sizeof tests / sizeof *tests));
