@@ -15,6 +15,7 @@
 #define M3_TESTS_FUZZ_H
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,6 +24,8 @@
 #include <unistd.h>
 
 #include "m3.h"
+#include "model/config_json.h"
+#include "scratch_dir.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -65,12 +68,8 @@ static inline void fuzz_check_refusal(m3_status st, const char *what) {
 /* A scratch folder for this process, made once and removed at exit. */
 static char fuzz_dir_[512];
 static inline void fuzz_rm_dir_(void) {
-    if (!fuzz_dir_[0])
-        return;
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", fuzz_dir_);
-    if (system(cmd) != 0)
-        fprintf(stderr, "fuzz: could not remove %s\n", fuzz_dir_);
+    if (fuzz_dir_[0])
+        check_remove_dir(fuzz_dir_);
 }
 static inline const char *fuzz_dir(void) {
     if (fuzz_dir_[0])
@@ -85,16 +84,34 @@ static inline const char *fuzz_dir(void) {
     return fuzz_dir_;
 }
 
-/* Write bytes to path (whole file); exits on an I/O error (the harness's
- * own failure, not a finding). */
-static inline void fuzz_write(const char *path, const void *a, size_t na, const void *b,
-                              size_t nb) {
+/* A whole file from parts written one after the other; exits on an I/O
+ * error (the harness's own failure, not a finding). */
+typedef struct {
+    const void *p;
+    size_t n;
+} fuzz_part;
+
+static inline void fuzz_write(const char *path, const fuzz_part *parts, int n_parts) {
     FILE *f = fopen(path, "wb");
-    if (!f || (na && fwrite(a, 1, na, f) != na) || (nb && fwrite(b, 1, nb, f) != nb) ||
-        fclose(f) != 0) {
+    bool ok = f != NULL;
+    for (int i = 0; ok && i < n_parts; i++)
+        ok = !parts[i].n || fwrite(parts[i].p, 1, parts[i].n, f) == parts[i].n;
+    if (f && fclose(f) != 0)
+        ok = false;
+    if (!ok) {
         perror(path);
         exit(2);
     }
+}
+
+/* A whole file into memory (the library's reader); exits on an error. */
+static inline uint8_t *fuzz_read(const char *path, size_t *n) {
+    char *buf = NULL;
+    if (m3_read_text_file(path, (size_t)1 << 32, &buf, n) != M3_OK) {
+        fprintf(stderr, "fuzz: %s\n", m3_last_error());
+        exit(2);
+    }
+    return (uint8_t *)buf;
 }
 
 #endif /* M3_TESTS_FUZZ_H */

@@ -43,24 +43,6 @@ static uint8_t *g_data[kVariants]; /* each synthesized file's data section */
 static size_t g_data_bytes[kVariants];
 static char g_ckpt[kVariants][700]; /* the folders inputs are written to */
 
-static uint8_t *read_all(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f || fseek(f, 0, SEEK_END) != 0) {
-        perror(path);
-        exit(2);
-    }
-    long len = ftell(f);
-    rewind(f);
-    uint8_t *buf = malloc((size_t)len + 1);
-    if (!buf || fread(buf, 1, (size_t)len, f) != (size_t)len) {
-        perror(path);
-        exit(2);
-    }
-    fclose(f);
-    *n = (size_t)len;
-    return buf;
-}
-
 static void setup_variant(int v) {
     char synth_dir[700], path[800];
     snprintf(synth_dir, sizeof synth_dir, "%s/synth%d", fuzz_dir(), v);
@@ -75,7 +57,7 @@ static void setup_variant(int v) {
     }
     snprintf(path, sizeof path, "%s/model.safetensors", synth_dir);
     size_t n;
-    uint8_t *file = read_all(path, &n);
+    uint8_t *file = fuzz_read(path, &n);
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--)
         hlen = hlen << 8 | file[i];
@@ -83,7 +65,7 @@ static void setup_variant(int v) {
     if (seed) { /* the variant byte, no poison, then the header */
         snprintf(path, sizeof path, "%s_%s.json", seed, v ? "mxfp8" : "bf16");
         const uint8_t tag[2] = {(uint8_t)v, 0};
-        fuzz_write(path, tag, 2, file + 8, (size_t)hlen);
+        fuzz_write(path, (fuzz_part[]){{tag, 2}, {file + 8, (size_t)hlen}}, 2);
     }
     g_data_bytes[v] = n - 8 - (size_t)hlen;
     g_data[v] = malloc(g_data_bytes[v] + 1);
@@ -99,9 +81,9 @@ static void setup_variant(int v) {
     /* the synthesized config.json: MXFP8's names its quantization */
     char src[800];
     snprintf(src, sizeof src, "%s/config.json", synth_dir);
-    uint8_t *cfg_text = read_all(src, &n);
+    uint8_t *cfg_text = fuzz_read(src, &n);
     snprintf(path, sizeof path, "%s/config.json", g_ckpt[v]);
-    fuzz_write(path, cfg_text, n, NULL, 0);
+    fuzz_write(path, &(fuzz_part){cfg_text, n}, 1);
     free(cfg_text);
 }
 
@@ -172,12 +154,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint8_t len[8];
     for (int i = 0; i < 8; i++)
         len[i] = (uint8_t)((uint64_t)size >> (8 * i));
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(len, 1, 8, f) != 8 || (size && fwrite(data, 1, size, f) != size) ||
-        fwrite(file_data, 1, g_data_bytes[v], f) != g_data_bytes[v] || fclose(f) != 0) {
-        perror(path);
-        exit(2);
-    }
+    fuzz_write(path, (fuzz_part[]){{len, 8}, {data, size}, {file_data, g_data_bytes[v]}}, 3);
     free(file_data);
     m3_model *model = NULL;
     m3_status st = m3_model_load(g_ckpt[v], NULL, &model);

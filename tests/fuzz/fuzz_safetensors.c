@@ -13,7 +13,7 @@
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char path[600];
     snprintf(path, sizeof path, "%s/x.safetensors", fuzz_dir());
-    fuzz_write(path, data, size, NULL, 0);
+    fuzz_write(path, &(fuzz_part){data, size}, 1);
     m3_st_set *set = NULL;
     m3_status st = m3_st_open_file(path, &set);
     fuzz_check_refusal(st, "m3_st_open_file");

@@ -8,20 +8,18 @@
  */
 #include "fuzz_st.h"
 
-static void write_shard(const char *dir, const char *file, const char *name, const char *dtype,
-                        const void *data, size_t bytes, const char *shape) {
-    char header[256], path[700];
-    int n = snprintf(header, sizeof header,
-                     "{\"%s\":{\"dtype\":\"%s\",\"shape\":%s,\"data_offsets\":[0,%zu]}}", name,
-                     dtype, shape, bytes);
-    uint8_t len[8];
-    for (int i = 0; i < 8; i++)
-        len[i] = (uint8_t)((uint64_t)n >> (8 * i));
+/* One shard holding one tensor, through the library's writer. */
+static void write_shard(const char *dir, const char *file, const char *name, m3_dtype dtype,
+                        const void *data, size_t bytes, int64_t rows, int64_t cols) {
+    char path[700];
     snprintf(path, sizeof path, "%s/%s", dir, file);
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(len, 1, 8, f) != 8 || fwrite(header, 1, (size_t)n, f) != (size_t)n ||
-        fwrite(data, 1, bytes, f) != bytes || fclose(f) != 0) {
-        perror(path);
+    const int64_t shape[2] = {rows, cols};
+    m3_st_writer *w = NULL;
+    if (m3_st_writer_create(path, &w) || m3_st_writer_add(w, name, dtype, rows ? 2 : 1,
+                                                          rows ? shape : shape + 1) ||
+        m3_st_writer_begin(w) || m3_st_writer_write(w, data, bytes) ||
+        m3_st_writer_finish(w)) {
+        fprintf(stderr, "fuzz_st_index setup: %s\n", m3_last_error());
         exit(2);
     }
 }
@@ -37,9 +35,9 @@ static const char *shard_dir(void) {
     }
     const uint16_t w[8] = {0x3f80, 0x4000, 0x4040, 0x4080, 0xbf80, 0xc000, 0x3f00, 0};
     const float b[4] = {1, 2, 3, 4};
-    write_shard(dir, "model-00001-of-00002.safetensors", "a.weight", "BF16", w, sizeof w,
-                "[2,4]");
-    write_shard(dir, "model-00002-of-00002.safetensors", "b.bias", "F32", b, sizeof b, "[4]");
+    write_shard(dir, "model-00001-of-00002.safetensors", "a.weight", M3_DT_BF16, w, sizeof w, 2,
+                4);
+    write_shard(dir, "model-00002-of-00002.safetensors", "b.bias", M3_DT_F32, b, sizeof b, 0, 4);
     return dir;
 }
 
@@ -47,7 +45,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const char *dir = shard_dir();
     char path[700];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-    fuzz_write(path, data, size, NULL, 0);
+    fuzz_write(path, &(fuzz_part){data, size}, 1);
     m3_st_set *set = NULL;
     m3_status st = m3_st_open_dir(dir, false, &set);
     fuzz_check_refusal(st, "m3_st_open_dir");

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "m3.h"
+#include "scratch_dir.h"
 
 static int check_failures_;
 static int check_count_;
@@ -48,15 +49,6 @@ static int check_count_;
                     m3_last_error(), m3_status_name(st), (substr));             \
         }                                                                       \
     } while (0)
-
-/* Remove a test's scratch folder (a synthesized model); a failure is only
- * reported. */
-static inline void check_remove_dir(const char *dir) {
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    if (system(cmd) != 0)
-        fprintf(stderr, "could not remove %s\n", dir);
-}
 
 static inline int check_summary(const char *name) {
     if (check_failures_)
