@@ -700,19 +700,17 @@ __device__ __forceinline__ float slots_sum(const float *src, int s, size_t strid
  * slice order into ctl.fin. Returns true in the CTA holding ctl.fin. */
 template <int NR>
 __device__ bool split_reduce(const float (&acc)[kRW][NR], int s, int slice, int tile,
-                             float *part, unsigned *tile_ctr, Ctl &ctl, int stride = 0) {
+                             float *part, unsigned *tile_ctr, Ctl &ctl) {
     if (s == 1) {
         acc_to_fin<NR>(acc, ctl);
         return true;
     }
-    if (stride < s)
-        stride = s; /* slots per tile in part */
-    partial_put<NR>(acc, part + ((size_t)tile * stride + slice) * (kTile * kMaxT));
+    partial_put<NR>(acc, part + ((size_t)tile * s + slice) * (kTile * kMaxT));
     if (!arrive(tile_ctr + tile, (unsigned)s, ctl))
         return false;
     for (int i = threadIdx.x; i < kTile * NR; i += kThreads) {
         int r = i / NR, t = i % NR;
-        const float *src = part + (size_t)tile * stride * (kTile * kMaxT) + r * kMaxT + t;
+        const float *src = part + (size_t)tile * s * (kTile * kMaxT) + r * kMaxT + t;
         ctl.fin[r][t] = slots_sum(src, s, kTile * kMaxT);
     }
     __syncthreads();

@@ -141,7 +141,7 @@ __device__ void norm1_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
  * rounded to bf16 into `rows` (shared memory, T x 128). */
 static_assert(kEpiSmem + kMaxT * kHD * 2 <= kAttnSmem, "head_sum's rows after the epilogue's");
 __device__ void head_sum(const MonoArgs &a, int hh, int s, uint16_t *rows) {
-    const int tile0 = hh * (kHD / kTile), stride = max(a.s_pmax, s);
+    const int tile0 = hh * (kHD / kTile), stride = a.s_pmax; /* slots per tile (>= s) */
     for (int i = threadIdx.x; i < kHD * a.T; i += kThreads) {
         const int d = i / a.T, t = i % a.T, tile = tile0 + d / kTile, r = d % kTile;
         const float *src = a.part_proj + (size_t)tile * stride * (kTile * kMaxT) + r * kMaxT + t;
@@ -184,7 +184,7 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
          * (16 tiles x s slices); the head's last arriver sums its slots into
          * the epilogue: no per-tile arrival, tile write and row reload (two
          * round trips on the index heads' chain) */
-        partial_put<NR>(acc, a.part_proj + ((size_t)tile * max(a.s_pmax, s) + slice) *
+        partial_put<NR>(acc, a.part_proj + ((size_t)tile * a.s_pmax + slice) *
                                                (kTile * kMaxT));
         if (!arrive(a.ctr + a.o_head + hh, (unsigned)(kHD / kTile * s), ctl))
             return;
