@@ -19,6 +19,10 @@
 - scripts/gpu-parting with the CPU in the GPU's place on the tiny model:
   its runs agree and it leaves at most 8 files in $OUT.
 
+- scripts/mono_queue_sim.py: hand-worked queues (CTAs take items in queue
+  order when free; a down item waits for its expert's last gate/up item,
+  then a poll), and its presets reproduce the traces they came from.
+
 - scripts/sass_check.py on made-up disassembly (stand-in cuobjdump and
   nvdisasm): an odd descriptor register fails and names its kernel, even
   ones pass, a file without kernels is an error.
@@ -297,6 +301,30 @@ def check_sass_check(work):
     print("sass_check: even descriptors pass, odd ones fail by kernel, no kernels is an error")
 
 
+def check_queue_sim():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import mono_queue_sim as q
+    # two CTAs: both gate/up items end at 10, each CTA then takes a down
+    # item at 10, polls (1) and works 5
+    got = q.simulate([0.0, 0.0], [(0, 10.0), (0, 10.0)], [(0, 5.0), (0, 5.0)], 1.0)
+    if got != (16.0, 10.0, 10.0):
+        fail("mono_queue_sim: two CTAs: %r" % (got,))
+    # three CTAs: the third ends expert 1's gate/up at 2 and takes its down
+    # item (ends 6), then expert 0's, which waits for that expert's gate/up
+    # to end (10): 10 + 1 + 5
+    got = q.simulate([0.0] * 3, [(0, 10.0), (0, 10.0), (1, 2.0)], [(1, 3.0), (0, 5.0)], 1.0)
+    if got != (16.0, 10.0, 2.0):
+        fail("mono_queue_sim: three CTAs: %r" % (got,))
+    # the presets against their traces (docs/PERF.md, thirty-sixth session)
+    for rows, want in ((2, (123.7, 102.6, 74.7)), (4, (181.2, 157.7, 121.0))):
+        P, nu, gpe, gu_us, dpe, dn_us, poll, free = q.PRESETS[rows]
+        got = q.simulate(free, [(u, gu_us) for u in range(nu) for _ in range(gpe)],
+                         [(u, dn_us) for u in range(nu) for _ in range(dpe)], poll)
+        if tuple(round(x, 1) for x in got) != want:
+            fail("mono_queue_sim: %d rows: %r, want %r" % (rows, got, want))
+    print("mono_queue_sim: hand-worked queues and the presets")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m3")
@@ -305,6 +333,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     check_mono_trace(args.work)
+    check_queue_sim()
     check_gpu_ab(args.work)
     check_sass_check(args.work)
     if args.m3:

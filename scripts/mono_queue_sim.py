@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""A queue model of the mono post kernel's routed phase, to try item shapes without a GPU.
+
+    scripts/mono_queue_sim.py [--rows 2|4] [--egu-tail N --tail-us D] [--dn-us D] [--gu-us D]
+
+The routed phase runs as the kernel runs it: every CTA takes the queue's next
+item when it is free, the routed gate/up items first (expert by expert),
+then the routed down items (expert by expert), and a down item starts only
+once every gate/up item of its expert has ended, plus one poll. Each item
+takes a fixed time (the trace's median work), whatever else runs: the
+model knows nothing of DRAM's bandwidth being shared, so it says where
+CTAs wait or idle for the queue's order and the items' sizes, not how fast
+the weights stream. The presets are the thirty-sixth session's 4K traces
+(docs/PERF.md): when the CTAs become free for the routed items (the plan's
+end; the shared down items' CTAs later) and the items' times. Against
+those traces it gives 2 rows: last gate/up end 102.6 us (trace 102.0),
+first down item taken at 74.7 (74.1), end 123.7 (124.3); 4 rows: 157.7
+(157.9), 121.0 (116.4), end 181.2 (190.9: the model's down items at the
+end run faster than the real ones). A shape the model calls slower is worth a GPU run only
+with a reason the model leaves out.
+
+--egu-tail N gives the experts past those one wave of CTAs takes whole N
+gate/up items each of --tail-us (M3_MONO_EGU_TAIL's shape); --dn-us and
+--gu-us change the items' times (e.g. what a change to the items' own
+overhead would give).
+"""
+import argparse
+import heapq
+
+# (CTAs, expert slots, gate/up items an expert, gate/up item us, down items
+# an expert, down item us, poll us, CTA free times)
+PRESETS = {
+    2: (396, 8, 64, 27.9, 128, 9.5, 1.06,
+        [46.8] * 268 + [60.4 + 0.1 * i for i in range(128)]),
+    4: (396, 15, 48, 36.7, 96, 12.9, 1.12,
+        [51.7] * 300 + [83.8 + 0.02 * i for i in range(96)]),
+}
+
+
+def simulate(free, gate_up, down, poll):
+    """free: each CTA's first free time; gate_up / down: (expert, us) in
+    queue order. Returns (end, last gate/up end, first down item's start),
+    each down item's expert having at least one gate/up item."""
+    heap = list(free)
+    heapq.heapify(heap)
+    ends = {}
+    end = last_gu = 0.0
+    for u, us in gate_up:
+        t = heapq.heappop(heap) + us
+        ends.setdefault(u, []).append(t)
+        last_gu, end = max(last_gu, t), max(end, t)
+        heapq.heappush(heap, t)
+    first_dn = None
+    for u, us in down:
+        took = heapq.heappop(heap)  # (the trace's start of an item: before its wait)
+        first_dn = took if first_dn is None else min(first_dn, took)
+        t = max(took, max(ends[u])) + poll + us
+        end = max(end, t)
+        heapq.heappush(heap, t)
+    return end, last_gu, first_dn
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, choices=sorted(PRESETS), default=2)
+    ap.add_argument("--egu-tail", type=int, default=0, help="gate/up items a tail expert")
+    ap.add_argument("--tail-us", type=float, default=0.0, help="a tail item's time")
+    ap.add_argument("--gu-us", type=float, help="a gate/up item's time (preset's)")
+    ap.add_argument("--dn-us", type=float, help="a down item's time (preset's)")
+    args = ap.parse_args()
+    P, nu, gpe, gu_us, dpe, dn_us, poll, free = PRESETS[args.rows]
+    gu_us = args.gu_us if args.gu_us is not None else gu_us
+    dn_us = args.dn_us if args.dn_us is not None else dn_us
+    if args.egu_tail and args.tail_us <= 0:
+        ap.error("--egu-tail needs --tail-us")
+    whole = min(nu, P // gpe) if args.egu_tail else nu
+    gate_up = []
+    for u in range(nu):
+        gate_up += [(u, gu_us)] * gpe if u < whole else [(u, args.tail_us)] * args.egu_tail
+    down = [(u, dn_us) for u in range(nu) for _ in range(dpe)]
+    end, last_gu, first_dn = simulate(free, gate_up, down, poll)
+    print("rows %d: end %.1f us, last gate/up end %.1f, first down item taken %.1f"
+          % (args.rows, end, last_gu, first_dn))
+
+
+if __name__ == "__main__":
+    main()
