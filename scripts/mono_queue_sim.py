@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A queue model of the mono post kernel's routed phase, to try item shapes without a GPU.
 
-    scripts/mono_queue_sim.py [--rows 2|4] [--egu-tail N --tail-us D] [--dn-us D] [--gu-us D]
+    scripts/mono_queue_sim.py [--rows 2|4 | --trace FILE --experts N]
+                              [--egu-tail N --tail-us D] [--dn-us D] [--gu-us D]
 
 The routed phase runs as the kernel runs it: every CTA takes the queue's next
 item when it is free, the routed gate/up items first (expert by expert),
@@ -21,6 +22,10 @@ gets larger gate/up items right (EGU_SUB=4 +1.4%, measured +1.0%) and larger
 down items wrong (EDN_SUB=8 -2.8%, measured +1.8%): a change of the items'
 sizes changes how fast each streams beside the others, which the model
 leaves out. Use it for the queue's order and waits, not for item sizes.
+
+--trace FILE --experts N builds the preset from an item trace of one
+point (a file M3_MONO_TRACE wrote) instead, and prints the trace's own
+times beside the model's.
 
 --egu-tail N gives the experts past those one wave of CTAs takes whole N
 gate/up items each of --tail-us (M3_MONO_EGU_TAIL's shape); --dn-us and
@@ -63,15 +68,69 @@ def simulate(free, gate_up, down, poll):
     return end, last_gu, first_dn
 
 
+def from_trace(path, experts):
+    """A preset from an item trace (M3_MONO_TRACE's file for one point) of
+    a step with `experts` expert slots: the post kernel's CTAs, each free
+    for the routed items at the later of the plan's end and the end of its
+    last other item (shared down items after the routed gate/up, which
+    M3_MONO_SHDN_EARLY below 100 queues, are not modelled); the routed
+    items' median work; as the poll, the median wait of the down items
+    taken after their expert's gate/up had ended. Returns (preset, the trace's (end, last gate/up end,
+    first down item's start)), times in us from the kernel's first item."""
+    EGU, EDN, PLAN = 6, 8, 11  # mono_trace.py's POST kinds
+    rows = [list(map(int, l.split()))
+            for l in open(path).read().splitlines()[1:] if l.strip()]
+    rows = [r for r in rows if r[0] == 1]
+    if not rows:
+        raise SystemExit("mono_queue_sim: no post kernel items in %s" % path)
+    t0 = min(r[4] for r in rows)
+    us = lambda ns: (ns - t0) / 1e3
+    gu = sorted(r for r in rows if r[1] == EGU)
+    dn = sorted(r for r in rows if r[1] == EDN)
+    if not gu or not dn or len(gu) % experts or len(dn) % experts:
+        raise SystemExit("mono_queue_sim: %d gate/up and %d down items do not split over %d "
+                         "experts" % (len(gu), len(dn), experts))
+    plan_end = max((us(r[5]) for r in rows if r[1] == PLAN), default=0.0)
+    free = {}
+    for r in rows:
+        if r[1] not in (EGU, EDN):
+            free[r[2]] = max(free.get(r[2], plan_end), us(r[5]))
+    free = [free.get(c, plan_end) for c in {r[2] for r in rows}]
+
+    def med(v):
+        v = sorted(v)
+        return v[len(v) // 2]
+    ready = lambda r: min(max(r[6], r[4]), r[5]) if len(r) > 6 and r[6] else r[4]
+    gpe, dpe = len(gu) // experts, len(dn) // experts
+    # the poll: the wait of down items taken after their expert's last
+    # gate/up item had ended (the queue is expert by expert, by item index)
+    gu_end = [max(r[5] for r in gu[u * gpe:(u + 1) * gpe]) for u in range(experts)]
+    polls = [(ready(r) - r[4]) / 1e3 for i, r in enumerate(dn) if r[4] >= gu_end[i // dpe]]
+    preset = (len(free), experts, gpe, med((r[5] - ready(r)) / 1e3 for r in gu),
+              dpe, med((r[5] - ready(r)) / 1e3 for r in dn), med(polls) if polls else 0.0,
+              sorted(free))
+    seen = (max(us(r[5]) for r in rows), max(us(r[5]) for r in gu), min(us(r[4]) for r in dn))
+    return preset, seen
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, choices=sorted(PRESETS), default=2)
+    ap.add_argument("--trace", help="a preset from this item trace instead (needs --experts)")
+    ap.add_argument("--experts", type=int, help="the traced step's expert slots (n_uniq)")
     ap.add_argument("--egu-tail", type=int, default=0, help="gate/up items a tail expert")
     ap.add_argument("--tail-us", type=float, default=0.0, help="a tail item's time")
     ap.add_argument("--gu-us", type=float, help="a gate/up item's time (preset's)")
     ap.add_argument("--dn-us", type=float, help="a down item's time (preset's)")
     args = ap.parse_args()
-    P, nu, gpe, gu_us, dpe, dn_us, poll, free = PRESETS[args.rows]
+    if args.trace:
+        if not args.experts or args.experts < 1:
+            ap.error("--trace needs --experts N (the step's distinct experts)")
+        preset, seen = from_trace(args.trace, args.experts)
+        print("trace: end %.1f us, last gate/up end %.1f, first down item taken %.1f" % seen)
+    else:
+        preset = PRESETS[args.rows]
+    P, nu, gpe, gu_us, dpe, dn_us, poll, free = preset
     gu_us = args.gu_us if args.gu_us is not None else gu_us
     dn_us = args.dn_us if args.dn_us is not None else dn_us
     if args.egu_tail and args.tail_us <= 0:
@@ -82,8 +141,8 @@ def main():
         gate_up += [(u, gu_us)] * gpe if u < whole else [(u, args.tail_us)] * args.egu_tail
     down = [(u, dn_us) for u in range(nu) for _ in range(dpe)]
     end, last_gu, first_dn = simulate(free, gate_up, down, poll)
-    print("rows %d: end %.1f us, last gate/up end %.1f, first down item taken %.1f"
-          % (args.rows, end, last_gu, first_dn))
+    print("model: end %.1f us, last gate/up end %.1f, first down item taken %.1f"
+          % (end, last_gu, first_dn))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@
 
 - scripts/mono_queue_sim.py: hand-worked queues (CTAs take items in queue
   order when free; a down item waits for its expert's last gate/up item,
-  then a poll), and its presets reproduce the traces they came from.
+  then a poll), its presets reproduce the traces they came from, and a
+  preset read from a synthetic item trace.
 
 - scripts/sass_check.py on made-up disassembly (stand-in cuobjdump and
   nvdisasm): an odd descriptor register fails and names its kernel, even
@@ -301,7 +302,7 @@ def check_sass_check(work):
     print("sass_check: even descriptors pass, odd ones fail by kernel, no kernels is an error")
 
 
-def check_queue_sim():
+def check_queue_sim(work):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import mono_queue_sim as q
     # two CTAs: both gate/up items end at 10, each CTA then takes a down
@@ -322,7 +323,25 @@ def check_queue_sim():
                          [(u, dn_us) for u in range(nu) for _ in range(dpe)], poll)
         if tuple(round(x, 1) for x in got) != want:
             fail("mono_queue_sim: %d rows: %r, want %r" % (rows, got, want))
-    print("mono_queue_sim: hand-worked queues and the presets")
+    # a preset from a trace: CTA 0 ends the plan at 5 us, CTA 1 a router
+    # item at 8; gate/up 10 us each; CTA 0's down item waits for the
+    # gate/up (its wait is not a poll), CTA 1's is taken after it and
+    # waits 1 us (the poll); both work 5
+    path = os.path.join(work, "queue_trace.txt")
+    with open(path, "w") as f:
+        f.write("kernel kind cta item start end ready\n"
+                "0 1 0 0 0 900 0\n"  # a pre kernel item: left out
+                "1 11 0 10 0 5000 0\n1 4 1 9 0 8000 0\n"
+                "1 6 0 20 5000 15000 0\n1 6 1 21 8000 18000 0\n"
+                "1 8 0 30 15000 24000 19000\n1 8 1 31 19000 25000 20000\n")
+    preset, seen = q.from_trace(path, 1)
+    if preset != (2, 1, 2, 10.0, 2, 5.0, 1.0, [5.0, 8.0]) or seen != (25.0, 18.0, 15.0):
+        fail("mono_queue_sim: from a trace: %r %r" % (preset, seen))
+    P, nu, gpe, gu_us, dpe, dn_us, poll, free = preset
+    got = q.simulate(free, [(0, gu_us)] * gpe, [(0, dn_us)] * dpe, poll)
+    if got != (24.0, 18.0, 15.0):
+        fail("mono_queue_sim: the trace's model: %r" % (got,))
+    print("mono_queue_sim: hand-worked queues, the presets, a preset from a trace")
 
 
 def main():
@@ -333,7 +352,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     check_mono_trace(args.work)
-    check_queue_sim()
+    check_queue_sim(args.work)
     check_gpu_ab(args.work)
     check_sass_check(args.work)
     if args.m3:
