@@ -25,7 +25,9 @@ leaves out. Use it for the queue's order and waits, not for item sizes.
 
 --trace FILE --experts N builds the preset from an item trace of one
 point (a file M3_MONO_TRACE wrote) instead, and prints the trace's own
-times beside the model's.
+times beside the model's. N is the step's distinct experts (n_uniq; on
+m3-tp4-rank: the gate/up items over 192 / EGU_SUB tiles an expert), and
+the trace must be of equal gate/up items (no M3_MONO_EGU_TAIL tail).
 
 --egu-tail N gives the experts past those one wave of CTAs takes whole N
 gate/up items each of --tail-us (M3_MONO_EGU_TAIL's shape); --dn-us and
