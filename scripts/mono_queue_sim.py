@@ -36,6 +36,11 @@ overhead would give).
 """
 import argparse
 import heapq
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mono_trace import POST, median, read_rows, ready_of  # noqa: E402 (the trace's format)
 
 # (CTAs, expert slots, gate/up items an expert, gate/up item us, down items
 # an expert, down item us, poll us, CTA free times)
@@ -70,6 +75,20 @@ def simulate(free, gate_up, down, poll):
     return end, last_gu, first_dn
 
 
+def queues(preset, gu_us=None, dn_us=None, egu_tail=0, tail_us=0.0):
+    """A preset's queue for simulate: (free, gate_up, down, poll). gu_us /
+    dn_us replace its items' times; egu_tail gives the experts past those
+    one wave of CTAs takes whole egu_tail gate/up items of tail_us each."""
+    P, nu, gpe, p_gu, dpe, p_dn, poll, free = preset
+    gu_us = p_gu if gu_us is None else gu_us
+    dn_us = p_dn if dn_us is None else dn_us
+    whole = min(nu, P // gpe) if egu_tail else nu
+    gate_up = []
+    for u in range(nu):
+        gate_up += [(u, gu_us)] * gpe if u < whole else [(u, tail_us)] * egu_tail
+    return free, gate_up, [(u, dn_us) for u in range(nu) for _ in range(dpe)], poll
+
+
 def from_trace(path, experts):
     """A preset from an item trace (M3_MONO_TRACE's file for one point) of
     a step with `experts` expert slots: the post kernel's CTAs, each free
@@ -77,12 +96,11 @@ def from_trace(path, experts):
     last other item (shared down items after the routed gate/up, which
     M3_MONO_SHDN_EARLY below 100 queues, are not modelled); the routed
     items' median work; as the poll, the median wait of the down items
-    taken after their expert's gate/up had ended. Returns (preset, the trace's (end, last gate/up end,
-    first down item's start)), times in us from the kernel's first item."""
-    EGU, EDN, PLAN = 6, 8, 11  # mono_trace.py's POST kinds
-    rows = [list(map(int, l.split()))
-            for l in open(path).read().splitlines()[1:] if l.strip()]
-    rows = [r for r in rows if r[0] == 1]
+    taken after their expert's gate/up had ended. Returns (preset, the
+    trace's (end, last gate/up end, first down item's start)), times in us
+    from the kernel's first item."""
+    EGU, EDN, PLAN = (POST.index(k) for k in ("expert_gu", "expert_down", "plan"))
+    rows = [r for r in read_rows(path) if r[0] == 1]
     if not rows:
         raise SystemExit("mono_queue_sim: no post kernel items in %s" % path)
     t0 = min(r[4] for r in rows)
@@ -99,17 +117,14 @@ def from_trace(path, experts):
             free[r[2]] = max(free.get(r[2], plan_end), us(r[5]))
     free = [free.get(c, plan_end) for c in {r[2] for r in rows}]
 
-    def med(v):
-        v = sorted(v)
-        return v[len(v) // 2]
-    ready = lambda r: min(max(r[6], r[4]), r[5]) if len(r) > 6 and r[6] else r[4]
+    med = lambda v: median(sorted(v))
     gpe, dpe = len(gu) // experts, len(dn) // experts
     # the poll: the wait of down items taken after their expert's last
     # gate/up item had ended (the queue is expert by expert, by item index)
     gu_end = [max(r[5] for r in gu[u * gpe:(u + 1) * gpe]) for u in range(experts)]
-    polls = [(ready(r) - r[4]) / 1e3 for i, r in enumerate(dn) if r[4] >= gu_end[i // dpe]]
-    preset = (len(free), experts, gpe, med((r[5] - ready(r)) / 1e3 for r in gu),
-              dpe, med((r[5] - ready(r)) / 1e3 for r in dn), med(polls) if polls else 0.0,
+    polls = [(ready_of(r) - r[4]) / 1e3 for i, r in enumerate(dn) if r[4] >= gu_end[i // dpe]]
+    preset = (len(free), experts, gpe, med((r[5] - ready_of(r)) / 1e3 for r in gu),
+              dpe, med((r[5] - ready_of(r)) / 1e3 for r in dn), med(polls) if polls else 0.0,
               sorted(free))
     seen = (max(us(r[5]) for r in rows), max(us(r[5]) for r in gu), min(us(r[4]) for r in dn))
     return preset, seen
@@ -132,17 +147,10 @@ def main():
         print("trace: end %.1f us, last gate/up end %.1f, first down item taken %.1f" % seen)
     else:
         preset = PRESETS[args.rows]
-    P, nu, gpe, gu_us, dpe, dn_us, poll, free = preset
-    gu_us = args.gu_us if args.gu_us is not None else gu_us
-    dn_us = args.dn_us if args.dn_us is not None else dn_us
     if args.egu_tail and args.tail_us <= 0:
         ap.error("--egu-tail needs --tail-us")
-    whole = min(nu, P // gpe) if args.egu_tail else nu
-    gate_up = []
-    for u in range(nu):
-        gate_up += [(u, gu_us)] * gpe if u < whole else [(u, args.tail_us)] * args.egu_tail
-    down = [(u, dn_us) for u in range(nu) for _ in range(dpe)]
-    end, last_gu, first_dn = simulate(free, gate_up, down, poll)
+    end, last_gu, first_dn = simulate(*queues(preset, args.gu_us, args.dn_us, args.egu_tail,
+                                              args.tail_us))
     print("model: end %.1f us, last gate/up end %.1f, first down item taken %.1f"
           % (end, last_gu, first_dn))
 

@@ -32,13 +32,24 @@ def median(v):
     return v[len(v) // 2]
 
 
+def read_rows(path):
+    """A trace's item rows, each a list of ints: kernel kind cta item start
+    end [ready [marks...]] (ns; the header line left out)."""
+    return [list(map(int, l.split())) for l in open(path).read().splitlines()[1:] if l.strip()]
+
+
+def ready_of(r):
+    """An item row's inputs-ready time: 0 (no wait) or a time before the
+    item's start counts as no wait."""
+    return min(max(r[6] if len(r) > 6 else 0, r[4]), r[5])
+
+
 def main(path):
-    rows = [list(map(int, l.split())) for l in open(path).read().splitlines()[1:] if l.strip()]
+    rows = read_rows(path)
     by = defaultdict(list)
     for r in rows:
         k, kind, cta, item, t0, t1 = r[:6]
-        ready = r[6] if len(r) > 6 else 0
-        ready = min(max(ready, t0), t1)  # 0 (no wait) or before the item: no wait
+        ready = ready_of(r)
         marks = [m - ready if m else None for m in r[7:]]
         by[(k, kind)].append((t0, t1, cta, ready, item, marks))
     # per CTA, in start order: is this the CTA's first item of its kind?

@@ -318,9 +318,7 @@ def check_queue_sim(work):
         fail("mono_queue_sim: three CTAs: %r" % (got,))
     # the presets against their traces (docs/PERF.md, thirty-sixth session)
     for rows, want in ((2, (123.7, 102.6, 74.7)), (4, (181.2, 157.7, 121.0))):
-        P, nu, gpe, gu_us, dpe, dn_us, poll, free = q.PRESETS[rows]
-        got = q.simulate(free, [(u, gu_us) for u in range(nu) for _ in range(gpe)],
-                         [(u, dn_us) for u in range(nu) for _ in range(dpe)], poll)
+        got = q.simulate(*q.queues(q.PRESETS[rows]))
         if tuple(round(x, 1) for x in got) != want:
             fail("mono_queue_sim: %d rows: %r, want %r" % (rows, got, want))
     # a preset from a trace: CTA 0 ends the plan at 5 us, CTA 1 a router
@@ -337,8 +335,7 @@ def check_queue_sim(work):
     preset, seen = q.from_trace(path, 1)
     if preset != (2, 1, 2, 10.0, 2, 5.0, 1.0, [5.0, 8.0]) or seen != (25.0, 18.0, 15.0):
         fail("mono_queue_sim: from a trace: %r %r" % (preset, seen))
-    P, nu, gpe, gu_us, dpe, dn_us, poll, free = preset
-    got = q.simulate(free, [(0, gu_us)] * gpe, [(0, dn_us)] * dpe, poll)
+    got = q.simulate(*q.queues(preset))
     if got != (24.0, 18.0, 15.0):
         fail("mono_queue_sim: the trace's model: %r" % (got,))
     print("mono_queue_sim: hand-worked queues, the presets, a preset from a trace")
