@@ -134,6 +134,18 @@ typedef struct m3_synth_opts {
  * The folder is created; existing checkpoint files in it are replaced. */
 m3_status m3_synth(const m3_config *cfg, const char *out_dir, const m3_synth_opts *opts);
 
+/* A DSpark drafter for a target (docs/DSPARK.md) with random weights: the
+ * target's attention shapes, layers draft layers (0: 5), a block of block
+ * rows (0: 7), taps spread over the target's layers, the last token as the
+ * mask token, a vanilla Markov head, an optional key window. */
+typedef struct m3_synth_draft_opts {
+    int layers, block;
+    int64_t window;   /* 0: none */
+    bool mxfp8;
+} m3_synth_draft_opts;
+m3_status m3_synth_drafter(const m3_config *target, const char *out_dir,
+                           const m3_synth_draft_opts *draft, const m3_synth_opts *opts);
+
 /* ---------------------------------------------------------------- model */
 
 typedef struct m3_model m3_model;
@@ -277,6 +289,52 @@ m3_status m3_engine_decode(m3_engine *eng, const m3_request *reqs, int n_reqs,
 /* Prefill the prompt (chunked by max_rows) in a fresh sequence, then decode. */
 m3_status m3_generate(m3_engine *eng, const int32_t *prompt, int n_prompt,
                       const m3_gen_opts *opts, m3_gen_result *out);
+
+
+/* ---------------------------------------------------------------- speculative decoding */
+
+/* A DSpark drafter (SPEC §7, docs/DSPARK.md): a few dense layers over the
+ * target's tapped hidden states that propose B tokens a step, which the
+ * target verifies in one step of B + 1 rows. Greedy output is exactly the
+ * target's plain greedy output. */
+typedef struct m3_drafter m3_drafter;
+
+/* Load the drafter checkpoint folder dir for target (its config is checked
+ * against the target's: hidden and vocabulary sizes, tap layers). */
+m3_status m3_drafter_load(const char *dir, const m3_model *target, const m3_model_opts *opts,
+                          m3_drafter **out);
+int m3_drafter_block(const m3_drafter *d); /* B */
+void m3_drafter_free(m3_drafter *d);
+
+/* One draft step of a speculative run. */
+typedef struct m3_spec_step {
+    int64_t pos;        /* p: the anchor's position */
+    int32_t anchor;     /* the token chosen for position p */
+    int n_drafts;       /* B */
+    int verified;       /* drafts the target checked (B, fewer near max_new_tokens) */
+    int accepted;       /* drafts kept */
+    int32_t drafts[16]; /* [n_drafts]: proposals for positions p + 1 .. */
+} m3_spec_step;
+
+typedef struct m3_spec_stats {
+    /* in: keep each step's record (steps) and its draft logits with the
+     * Markov bias (draft_logits [n_steps, B, vocab]) */
+    bool keep_steps, keep_draft_logits;
+    /* out */
+    int64_t cycles, drafted, accepted; /* draft steps, drafts verified, drafts kept */
+    int n_steps;
+    m3_spec_step *steps;
+    float *draft_logits;
+} m3_spec_stats;
+void m3_spec_stats_free(m3_spec_stats *s);
+
+/* m3_generate with the drafter proposing and the target verifying (greedy
+ * only: a temperature above 0 is refused). The engine must be TP 1 on the
+ * CPU backend for now, with max_rows >= B + 1; its steps then run stock and
+ * eagerly. stats may be NULL. */
+m3_status m3_generate_speculative(m3_engine *eng, m3_drafter *d, const int32_t *prompt,
+                                  int n_prompt, const m3_gen_opts *opts, m3_gen_result *out,
+                                  m3_spec_stats *stats);
 
 #ifdef __cplusplus
 }

@@ -4,7 +4,8 @@
  * of the text to the token id of its value (0-255); --prompt-ids takes ids
  * exactly as given. --dump-logits writes the logits each generated token
  * was chosen from as a float32 .npy [N, vocab]; --json prints one object
- * with the tokens and timings.
+ * with the tokens and timings. --draft DIR decodes speculatively with a
+ * DSpark drafter (docs/DSPARK.md): the same tokens, fewer target steps.
  */
 #include <cjson/cJSON.h>
 #include <stdio.h>
@@ -17,6 +18,7 @@
 
 typedef struct gen_args {
     const char *model, *prompt, *prompt_ids, *dump_logits, *device, *decode;
+    const char *draft, *dump_draft_logits;
     int64_t max_tokens, top_k, threads, max_rows, seed, tp;
     double temperature, top_p;
     bool json, ignore_eos, no_graphs, indexer_cp;
@@ -29,6 +31,7 @@ static void gen_usage(FILE *f) {
             "                   [--seed S] [--dump-logits FILE.npy] [--json] [--threads N]\n"
             "                   [--device cpu|cuda] [--no-graphs] [--max-rows N] [--ignore-eos]\n"
             "                   [--tp N] [--decode stock|mono|auto] [--indexer-cp]\n"
+            "                   [--draft DIR [--dump-draft-logits FILE.npy]]\n"
             "\n"
             "  --model DIR        checkpoint folder (default: the built-in tiny model)\n"
             "  --prompt TEXT      each UTF-8 byte becomes the token id of its value\n"
@@ -51,7 +54,12 @@ static void gen_usage(FILE *f) {
             "  --decode P         stock (op by op), mono (fused layers for decode steps) or\n"
             "                     auto (mono where its plan allows); default: auto on the\n"
             "                     cpu; on cuda auto for steps of up to 4 rows at --tp 1\n"
-            "                     (where the fused kernels are faster), else stock\n");
+            "                     (where the fused kernels are faster), else stock\n"
+            "  --draft DIR        speculative decoding with the DSpark drafter in DIR: the\n"
+            "                     target verifies its drafts, the tokens are the same\n"
+            "                     (greedy only; cpu, --tp 1 for now); --json adds \"spec\"\n"
+            "  --dump-draft-logits F  with --draft: each draft step's rows' logits,\n"
+            "                     float32 [steps x block, vocab]\n");
 }
 
 static int parse_args(int argc, char **argv, gen_args *a) {
@@ -92,6 +100,10 @@ static int parse_args(int argc, char **argv, gen_args *a) {
             a->dump_logits = v;
         else if (!strcmp(f, "--device"))
             a->device = v;
+        else if (!strcmp(f, "--draft"))
+            a->draft = v;
+        else if (!strcmp(f, "--dump-draft-logits"))
+            a->dump_draft_logits = v;
         else if (!strcmp(f, "--decode"))
             a->decode = v;
         else if (!strcmp(f, "--tp"))
@@ -124,6 +136,10 @@ static int parse_args(int argc, char **argv, gen_args *a) {
     }
     if (strcmp(a->device, "cpu") && strcmp(a->device, "cuda")) {
         fprintf(stderr, "m3 generate: --device %s: expected cpu or cuda\n", a->device);
+        return CLI_USAGE;
+    }
+    if (a->dump_draft_logits && !a->draft) {
+        fprintf(stderr, "m3 generate: --dump-draft-logits needs --draft\n");
         return CLI_USAGE;
     }
     if (a->decode && strcmp(a->decode, "stock") && strcmp(a->decode, "mono") &&
@@ -188,7 +204,32 @@ static int on_token(void *user, int32_t token, const float *logits, int vocab) {
     return d->failed != M3_OK;
 }
 
-static void print_result(const gen_args *a, const m3_gen_result *r, m3_engine_stats stats) {
+/* The "spec" object of --json: the drafter's steps. */
+static cJSON *spec_json(const m3_spec_stats *s, int block) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "block", block);
+    cJSON_AddNumberToObject(o, "cycles", (double)s->cycles);
+    cJSON_AddNumberToObject(o, "drafted", (double)s->drafted);
+    cJSON_AddNumberToObject(o, "accepted", (double)s->accepted);
+    /* tokens per target step of a draft cycle: accepted drafts + 1 */
+    cJSON_AddNumberToObject(o, "acceptance_length",
+                            s->cycles ? (double)(s->accepted + s->cycles) / s->cycles : 0);
+    cJSON *steps = cJSON_AddArrayToObject(o, "steps");
+    for (int i = 0; i < s->n_steps; i++) {
+        const m3_spec_step *st = &s->steps[i];
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddNumberToObject(e, "pos", (double)st->pos);
+        cJSON_AddNumberToObject(e, "anchor", st->anchor);
+        cJSON_AddItemToObject(e, "drafts", cJSON_CreateIntArray(st->drafts, st->n_drafts));
+        cJSON_AddNumberToObject(e, "verified", st->verified);
+        cJSON_AddNumberToObject(e, "accepted", st->accepted);
+        cJSON_AddItemToArray(steps, e);
+    }
+    return o;
+}
+
+static void print_result(const gen_args *a, const m3_gen_result *r, m3_engine_stats stats,
+                         const m3_spec_stats *spec, int block) {
     int decode_steps = r->n_tokens > 1 ? r->n_tokens - 1 : 0;
     double prefill_tps = r->prefill_seconds > 0 ? r->n_prompt / r->prefill_seconds : 0;
     double decode_tps = r->decode_seconds > 0 ? decode_steps / r->decode_seconds : 0;
@@ -211,6 +252,8 @@ static void print_result(const gen_args *a, const m3_gen_result *r, m3_engine_st
         } else {
             cJSON_AddNullToObject(o, "mono_layers");
         }
+        if (spec)
+            cJSON_AddItemToObject(o, "spec", spec_json(spec, block));
         char *text = cJSON_PrintUnformatted(o);
         if (text)
             printf("%s\n", text);
@@ -226,6 +269,21 @@ static void print_result(const gen_args *a, const m3_gen_result *r, m3_engine_st
             r->prefill_seconds, prefill_tps);
     fprintf(stderr, "decode: %d tokens in %.3f s (%.1f tokens/s)%s\n", r->n_tokens,
             r->decode_seconds, decode_tps, r->stopped_at_eos ? ", stopped at end-of-sequence" : "");
+    if (spec && spec->cycles)
+        fprintf(stderr, "draft: %lld steps, %lld of %lld drafts accepted (%.2f tokens a step)\n",
+                (long long)spec->cycles, (long long)spec->accepted, (long long)spec->drafted,
+                (double)(spec->accepted + spec->cycles) / spec->cycles);
+}
+
+/* Write each draft step's [block, vocab] logits as rows of an .npy. */
+static m3_status dump_drafts(const char *path, const m3_spec_stats *s, int block, int vocab) {
+    m3_npy_writer *npy = NULL;
+    M3_TRY(m3_npy_open(path, vocab, &npy));
+    m3_status st = M3_OK;
+    for (int64_t i = 0; i < (int64_t)s->n_steps * block && !st; i++)
+        st = m3_npy_append_row(npy, s->draft_logits + i * vocab);
+    m3_status closed = m3_npy_close(npy);
+    return st ? st : closed;
 }
 
 static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
@@ -236,6 +294,8 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
     else if ((st = cli_builtin_tiny(dir, sizeof dir)))
         return cli_report("generate", st);
     m3_model *model = NULL;
+    m3_drafter *drafter = NULL;
+    m3_spec_stats spec = {0};
     m3_engine *eng = NULL;
     dump_ctx dump = {0};
     m3_gen_result res = {0};
@@ -260,7 +320,9 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
         eo.max_tokens = n_prompt + a->max_tokens < ctx ? n_prompt + a->max_tokens : ctx;
         st = m3_engine_create(model, &eo, &eng);
     }
-    if (!st && m3_engine_mono_refusal(eng)[0]) /* once, at start: the run goes stock */
+    if (!st && a->draft)
+        st = m3_drafter_load(a->draft, model, &mo, &drafter);
+    if (!st && !drafter && m3_engine_mono_refusal(eng)[0]) /* once, at start: the run goes stock */
         fprintf(stderr, "m3 generate: %s; decode steps run the stock path\n",
                 m3_engine_mono_refusal(eng));
     if (!st && a->dump_logits)
@@ -273,7 +335,12 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
         go.stop_at_eos = !a->ignore_eos;
         go.on_token = on_token;
         go.user = &dump;
-        st = m3_generate(eng, prompt, n_prompt, &go, &res);
+        spec.keep_steps = a->json;
+        spec.keep_draft_logits = a->dump_draft_logits != NULL;
+        if (drafter)
+            st = m3_generate_speculative(eng, drafter, prompt, n_prompt, &go, &res, &spec);
+        else
+            st = m3_generate(eng, prompt, n_prompt, &go, &res);
         if (!st && dump.failed)
             st = dump.failed;
     }
@@ -282,14 +349,20 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
         if (!st)
             st = closed;
     }
+    if (!st && a->dump_draft_logits)
+        st = dump_drafts(a->dump_draft_logits, &spec, m3_drafter_block(drafter),
+                         m3_model_config(model)->vocab_size);
     if (!st) {
-        print_result(a, &res, m3_engine_get_stats(eng));
+        print_result(a, &res, m3_engine_get_stats(eng), drafter ? &spec : NULL,
+                     m3_drafter_block(drafter));
         /* tokens that never reach the reader are a failure, not a success */
         if (fflush(stdout) != 0 || ferror(stdout))
             st = m3_fail(M3_ERR_IO, "writing the result to standard output failed");
     }
     free(res.tokens);
+    m3_spec_stats_free(&spec);
     m3_engine_free(eng);
+    m3_drafter_free(drafter);
     m3_model_free(model);
     return st ? cli_report("generate", st) : CLI_OK;
 }

@@ -33,9 +33,7 @@ m3_engine_opts m3_engine_defaults(void) {
 }
 
 /* Rows the scratch holds: max_rows, and at least a whole graph bucket. */
-static int scratch_rows(const m3_engine *e) {
-    return e->opts.max_rows > M3_GRAPH_MAX_ROWS ? e->opts.max_rows : M3_GRAPH_MAX_ROWS;
-}
+static int scratch_rows(const m3_engine *e) { return m3_engine_rows(e); }
 
 static void free_scratch(m3_engine *e) {
     void **ptrs = (void **)&e->s;
@@ -179,6 +177,7 @@ static void free_rank(m3_engine *e) {
             e->be->ops->release(e->be, e->cp_err);
         free_scratch(e);
         free_step(e);
+        m3_engine_set_taps(e, NULL, 0);
         for (int i = 0; e->cache.layers && i < e->cfg.num_layers; i++) {
             m3_cache_layer *l = &e->cache.layers[i];
             void *ptrs[3] = {l->k, l->v, l->index};
@@ -592,8 +591,8 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
 /* The graph bucket of a step of `rows` rows (decode: one token per request,
  * each after a prefill), or -1. */
 static int graph_bucket(const m3_engine *e, bool decode, int rows) {
-    if (!e->graphs || !decode || rows > M3_GRAPH_MAX_ROWS)
-        return -1;
+    if (!e->graphs || e->n_taps || !decode || rows > M3_GRAPH_MAX_ROWS)
+        return -1; /* (a replay runs no host code: no taps) */
     int b = 0;
     while ((1 << b) < rows)
         b++;
@@ -651,7 +650,7 @@ static m3_status step_forward(m3_engine *e, const m3_request *reqs, int n_reqs,
             decode = decode && reqs[q].n_tokens == 1 && e->cache.seqs[reqs[q].seq].len > 0;
         bucket = graph_bucket(e, decode, rows);
         int padded = bucket >= 0 ? 1 << bucket : rows;
-        if (bucket < 0 && decode && e->mono && m3_mono_width(e->mono, rows) > 0)
+        if (bucket < 0 && decode && e->mono && !e->n_taps && m3_mono_width(e->mono, rows) > 0)
             padded = m3_mono_width(e->mono, rows); /* the mono path's compiled widths */
         st = build_step(e, reqs, n_reqs, rows, padded);
         if (!st && bucket >= 0)
@@ -814,5 +813,36 @@ m3_status m3_engine_decode(m3_engine *e, const m3_request *reqs, int n_reqs,
             return m3_fail(M3_ERR_FAULT, "every logit of request %d is NaN", q);
     if (logits)
         M3_TRY(e->be->ops->download(e->be, logits, e->s.logits, (size_t)n_reqs * V * 4));
+    return M3_OK;
+}
+
+m3_status m3_engine_set_taps(m3_engine *e, const int *layers, int n) {
+    free(e->tap_host);
+    e->tap_host = NULL;
+    e->n_taps = 0;
+    for (int i = 0; i < M3_MAX_LAYERS; i++)
+        e->tap_of[i] = -1;
+    if (n <= 0)
+        return M3_OK;
+    if (e->ranks[0])
+        return m3_fail(M3_ERR_UNSUPPORTED, "layer taps need a TP 1 engine (this one has %d "
+                       "ranks)", e->tp_size);
+    if (n > M3_MAX_TAPS)
+        return m3_fail(M3_ERR_INVALID_ARG, "%d layer taps: at most %d", n, M3_MAX_TAPS);
+    for (int i = 0; i < n; i++) {
+        if (layers[i] < 0 || layers[i] >= e->cfg.num_layers)
+            return m3_fail(M3_ERR_INVALID_ARG, "layer tap %d: the model has %d layers", layers[i],
+                           e->cfg.num_layers);
+        e->tap_of[layers[i]] = i;
+    }
+    size_t R = (size_t)scratch_rows(e), H = (size_t)e->cfg.hidden_size;
+    /* the taps [R, n, H], then two rows' scratch [2, R, H] for the download */
+    e->tap_host = m3_malloc((R * (size_t)n + 2 * R) * H * sizeof *e->tap_host, "layer taps");
+    if (!e->tap_host) {
+        for (int i = 0; i < M3_MAX_LAYERS; i++)
+            e->tap_of[i] = -1;
+        return M3_ERR_NO_MEMORY;
+    }
+    e->n_taps = n;
     return M3_OK;
 }

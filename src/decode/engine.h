@@ -11,6 +11,7 @@
 #include "cache/cache.h"
 #include "decode/step.h"
 #include "dist/comm.h"
+#include "model/config_json.h"
 #include "model/model.h"
 
 #define M3_GRAPH_BUCKETS 5 /* decode steps of 1, 2, 4, 8, 16 rows */
@@ -78,7 +79,21 @@ struct m3_engine {
     int64_t *counter_dev;/* [R] sampling counters */
     m3_layer_hook layer_hook;
     void *layer_hook_user;
+    /* Layer taps (the DSpark drafter's context, spec/): after tapped layer
+     * L, row t's bf16(hidden + residual) goes to tap_host [t, tap_of[L], H]
+     * (host memory). A step with taps runs every layer stock and eagerly. */
+    int n_taps;
+    int tap_of[M3_MAX_LAYERS]; /* the tap index of a layer, -1: untapped */
+    uint16_t *tap_host;        /* [R, n_taps, H], then [2, R, H] of scratch */
 };
+
+/* Rows of the scratch buffers: R = max(max_rows, 16). */
+static inline int m3_engine_rows(const m3_engine *e) {
+    return e->opts.max_rows > M3_GRAPH_MAX_ROWS ? e->opts.max_rows : M3_GRAPH_MAX_ROWS;
+}
+
+/* Tap layers[0..n) on every later step of a TP 1 engine (n = 0: none). */
+m3_status m3_engine_set_taps(m3_engine *eng, const int *layers, int n);
 
 /* Resolve opts->decode == M3_DECODE_DEFAULT into the path it stands for
  * (m3.h's m3_decode_path): auto, with mono_max_rows 1 on one GPU, or stock

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "core/bf16.h"
 #include "core/status.h"
 #include "decode/engine.h"
 #include "mono/mono.h"
@@ -126,6 +127,26 @@ static m3_status final_logits(m3_engine *eng, int n_out) {
     return op->linear(be, n_out, s->final, &head, M3_DT_F32, s->logits);
 }
 
+/* Tap of layer li: row t's bf16(hidden + residual) -- the residual stream
+ * the next layer (or the final norm) reads -- into eng->tap_host. The
+ * rows come to the host first (the CPU backend's download is a copy). */
+static m3_status capture_tap(m3_engine *eng, const m3_step *st, int li) {
+    int T = st->rows, H = eng->cfg.hidden_size, k = eng->n_taps;
+    size_t R = (size_t)T;
+    uint16_t *taps = eng->tap_host;
+    uint16_t *hid = taps + (size_t)m3_engine_rows(eng) * k * H, *res = hid + R * H;
+    M3_TRY(eng->be->ops->download(eng->be, hid, eng->s.hidden, R * H * sizeof *hid));
+    M3_TRY(eng->be->ops->download(eng->be, res, eng->s.residual, R * H * sizeof *res));
+    int slot = eng->tap_of[li];
+    for (int t = 0; t < T; t++) {
+        uint16_t *dst = taps + ((size_t)t * k + slot) * H;
+        for (int i = 0; i < H; i++)
+            dst[i] = m3_f32_to_bf16(m3_bf16_to_f32(hid[(size_t)t * H + i]) +
+                                    m3_bf16_to_f32(res[(size_t)t * H + i]));
+    }
+    return M3_OK;
+}
+
 m3_status m3_forward_device(m3_engine *eng, const m3_step *st, int n_out) {
     const m3_config *c = &eng->cfg;
     m3_backend *be = eng->be;
@@ -143,7 +164,8 @@ m3_status m3_forward_device(m3_engine *eng, const m3_step *st, int n_out) {
         mono = NULL; /* closed: stock from now on */
     if (mono) {
         failure = m3_mono_bind_cache(mono, &eng->cache, st->n_pages, st->capturing);
-        fused = !failure && m3_mono_plan(mono, st, false, NULL);
+        /* (taps need every layer's boundary: stock) */
+        fused = !failure && !eng->n_taps && m3_mono_plan(mono, st, false, NULL);
     }
     int first = fused ? m3_mono_first_layer(mono) : -1;
     for (int li = 0; li < c->num_layers && !failure; li++) {
@@ -153,6 +175,8 @@ m3_status m3_forward_device(m3_engine *eng, const m3_step *st, int n_out) {
             continue;
         }
         failure = m3_stock_layer(eng, st, li, li == 0);
+        if (!failure && eng->n_taps && eng->tap_of[li] >= 0)
+            failure = capture_tap(eng, st, li);
         if (failure)
             m3_fail_context(failure, "layer %d", li);
         else if (eng->layer_hook)

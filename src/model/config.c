@@ -374,6 +374,29 @@ static m3_status parse_sparse(const cJSON *t, m3_config *c) {
     return M3_OK;
 }
 
+/* SwiGLU-OAI everywhere. Flattened Hugging Face exports write "silu" for
+ * the same activation (their modeling code applies the OAI clamps). */
+static m3_status parse_swiglu(const cJSON *t, m3_config *c, bool flattened) {
+    const char *act;
+    M3_TRY(get_str(t, NAMES("hidden_act"), &act));
+    if (act && strcmp(act, "swigluoai") && !(flattened && !strcmp(act, "silu")))
+        return m3_fail(M3_ERR_UNSUPPORTED,
+                       "config.json: hidden_act = %s is not supported (only swigluoai)", act);
+    double alpha, limit, beta;
+    M3_TRY(get_num(t, NAMES("swiglu_alpha"), true, 1.702, &alpha));
+    M3_TRY(get_num(t, NAMES("swiglu_limit"), true, 7.0, &limit));
+    M3_TRY(get_num(t, NAMES("swiglu_beta"), true, 1.0, &beta));
+    if (beta != 1.0)
+        return m3_fail(M3_ERR_UNSUPPORTED, "config.json: swiglu_beta = %g is not supported (1)",
+                       beta);
+    M3_TRY(to_f32("swiglu_alpha", alpha, &c->swiglu_alpha));
+    M3_TRY(to_f32("swiglu_limit", limit, &c->swiglu_limit));
+    if (!(c->swiglu_limit > 0))
+        return m3_fail(M3_ERR_CONFIG, "config.json: swiglu_limit = %g must be > 0 as fp32",
+                       limit);
+    return M3_OK;
+}
+
 static m3_status parse_ffn(const cJSON *t, m3_config *c, bool flattened) {
     int L = c->num_layers;
     const cJSON *freq = find_any(t, NAMES("moe_layer_freq"), NULL);
@@ -430,26 +453,7 @@ static m3_status parse_ffn(const cJSON *t, m3_config *c, bool flattened) {
                            "config.json: routed_scaling_factor = %g must be > 0 as fp32", rsf);
     }
 
-    /* SwiGLU-OAI everywhere. Flattened Hugging Face exports write "silu" for
-     * the same activation (their modeling code applies the OAI clamps). */
-    const char *act;
-    M3_TRY(get_str(t, NAMES("hidden_act"), &act));
-    if (act && strcmp(act, "swigluoai") && !(flattened && !strcmp(act, "silu")))
-        return m3_fail(M3_ERR_UNSUPPORTED,
-                       "config.json: hidden_act = %s is not supported (only swigluoai)", act);
-    double alpha, limit, beta;
-    M3_TRY(get_num(t, NAMES("swiglu_alpha"), true, 1.702, &alpha));
-    M3_TRY(get_num(t, NAMES("swiglu_limit"), true, 7.0, &limit));
-    M3_TRY(get_num(t, NAMES("swiglu_beta"), true, 1.0, &beta));
-    if (beta != 1.0)
-        return m3_fail(M3_ERR_UNSUPPORTED, "config.json: swiglu_beta = %g is not supported (1)",
-                       beta);
-    M3_TRY(to_f32("swiglu_alpha", alpha, &c->swiglu_alpha));
-    M3_TRY(to_f32("swiglu_limit", limit, &c->swiglu_limit));
-    if (!(c->swiglu_limit > 0))
-        return m3_fail(M3_ERR_CONFIG, "config.json: swiglu_limit = %g must be > 0 as fp32",
-                       limit);
-    return M3_OK;
+    return parse_swiglu(t, c, flattened);
 }
 
 static m3_status parse_tokens(const cfg_src *src, m3_config *c) {
@@ -619,4 +623,103 @@ m3_status m3_read_text_file(const char *path, size_t max_bytes, char **out, size
     *out = buf;
     *len = n;
     return M3_OK;
+}
+
+/* ------------------------------------------------------------ DSpark drafter */
+
+/* A list of k layer ids (tap layers), each in [0, M3_MAX_LAYERS). */
+static m3_status tap_list(const cJSON *it, const char *name, m3_draft_config *d) {
+    if (!cJSON_IsArray(it) || cJSON_GetArraySize(it) < 1 ||
+        cJSON_GetArraySize(it) > M3_MAX_TAPS)
+        return m3_fail(M3_ERR_CONFIG, "config.json: '%s' must be a list of 1 to %d layer ids",
+                       name, M3_MAX_TAPS);
+    d->n_taps = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, it) {
+        if (!cJSON_IsNumber(e) || e->valuedouble != floor(e->valuedouble) ||
+            e->valuedouble < 0 || e->valuedouble >= M3_MAX_LAYERS)
+            return m3_fail(M3_ERR_CONFIG, "config.json: %s[%d] must be a layer id", name,
+                           d->n_taps);
+        d->taps[d->n_taps++] = (int)e->valuedouble;
+    }
+    return M3_OK;
+}
+
+/* The key window: layer_types all sliding_attention -> sliding_window; all
+ * full_attention (or no layer_types) -> none; mixed: refused. */
+static m3_status draft_window(const cJSON *t, m3_draft_config *d) {
+    const cJSON *types = find_any(t, NAMES("layer_types"), NULL);
+    d->window = 0;
+    if (!types)
+        return M3_OK;
+    bool sliding[M3_MAX_LAYERS];
+    M3_TRY(layer_type_list(types, "layer_types", d->attn.num_layers, NAMES("sliding_attention"),
+                           NAMES("full_attention"), sliding));
+    int n = 0;
+    for (int i = 0; i < d->attn.num_layers; i++)
+        n += sliding[i];
+    if (n && n < d->attn.num_layers)
+        return m3_fail(M3_ERR_UNSUPPORTED, "config.json: layer_types mixes sliding and full "
+                       "attention; a drafter's layers must all be one or the other");
+    if (!n)
+        return M3_OK;
+    int64_t w;
+    M3_TRY(get_int(t, NAMES("sliding_window"), false, 0, 1, (int64_t)1 << 32, &w));
+    d->window = w;
+    return M3_OK;
+}
+
+static m3_status parse_draft(const cJSON *t, const cJSON *root, m3_draft_config *d) {
+    int64_t v;
+    M3_TRY(parse_attention(t, &d->attn));
+    M3_TRY(parse_swiglu(t, &d->attn, false));
+    M3_TRY(get_int(t, NAMES("vocab_size"), false, 0, 1, 1 << 24, &v));
+    d->vocab_size = (int)v;
+    const char *name = "dspark_target_layer_ids";
+    const cJSON *taps =
+        find_any(t, NAMES("dspark_target_layer_ids", "target_layer_ids"), &name);
+    if (!taps)
+        return m3_fail(M3_ERR_CONFIG, "config.json: missing 'dspark_target_layer_ids' (or "
+                       "'target_layer_ids'): not a DSpark drafter");
+    M3_TRY(tap_list(taps, name, d));
+    M3_TRY(get_int(t, NAMES("dspark_noise_token_id", "mask_token_id"), false, 0, 0, 1 << 24, &v));
+    d->mask_token = (int32_t)v;
+    M3_TRY(get_int(t, NAMES("dspark_block_size", "block_size"), false, 0, 1, M3_MAX_DRAFT_BLOCK,
+                   &v));
+    d->block = (int)v;
+    /* absent: -1, the loader takes it from markov_w1's shape (0 without one) */
+    M3_TRY(get_int(t, NAMES("dspark_markov_rank", "markov_rank"), true, -1, 0, 1 << 16, &v));
+    d->markov_rank = (int)v;
+    const char *head = NULL;
+    M3_TRY(get_str(t, NAMES("dspark_markov_head_type", "markov_head_type"), &head));
+    if (head && strcmp(head, "vanilla"))
+        return m3_fail(M3_ERR_UNSUPPORTED,
+                       "config.json: markov_head_type = %s is not supported (only vanilla)", head);
+    M3_TRY(get_int(t, NAMES("dspark_ffn_hidden_size"), true, 0, 0, 1 << 20, &v));
+    d->ffn_dim = (int)v;
+    M3_TRY(draft_window(t, d));
+    if (d->window && d->window < d->block)
+        return m3_fail(M3_ERR_CONFIG,
+                       "config.json: sliding_window = %lld is smaller than the block of %d rows",
+                       (long long)d->window, d->block);
+    cfg_src src = {t, root};
+    return parse_quant(&src, &d->attn);
+}
+
+m3_status m3_draft_config_parse(const char *json, size_t len, m3_draft_config *out) {
+    memset(out, 0, sizeof *out);
+    cJSON *root = cJSON_ParseWithLength(json, len);
+    if (!root)
+        return m3_fail(M3_ERR_FORMAT, "config.json: not valid JSON (near byte %zu)",
+                       (size_t)(cJSON_GetErrorPtr() ? cJSON_GetErrorPtr() - json : 0));
+    m3_status st;
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(root, "text_config");
+    if (!cJSON_IsObject(root))
+        st = m3_fail(M3_ERR_CONFIG, "config.json: the top level must be an object");
+    else if (t && !cJSON_IsNull(t) && !cJSON_IsObject(t))
+        st = m3_fail(M3_ERR_CONFIG, "config.json: 'text_config' must be an object");
+    else
+        st = parse_draft(t && cJSON_IsObject(t) ? t : root, root, out);
+    cJSON_Delete(root);
+    return st;
 }

@@ -12,20 +12,19 @@
 #include <string.h>
 
 #include "core/status.h"
+#include "model/bind.h"
 #include "model/model.h"
 
 #define NAME_CAP 256
 
-typedef struct binder {
-    m3_model *m;
-    const char *prefix; /* e.g. "language_model.model." */
-} binder;
+typedef m3_binder binder;
 
-static const m3_st_entry *find(const binder *b, const char *suffix) {
+const m3_st_entry *m3_bind_find(const m3_binder *b, const char *suffix) {
     char name[NAME_CAP];
     snprintf(name, sizeof name, "%s%s", b->prefix, suffix);
-    return m3_st_find(b->m->files, name);
+    return m3_st_find(b->files, name);
 }
+#define find m3_bind_find
 
 static void shape_str(const int64_t *shape, int ndim, char *buf, size_t cap) {
     size_t n = (size_t)snprintf(buf, cap, "[");
@@ -58,8 +57,8 @@ static m3_status missing(const binder *b, const char *suffix) {
 }
 
 /* A [n] or [n, k] tensor of the given dtype named prefix+suffix. */
-static m3_status bind_plain(const binder *b, const char *suffix, m3_dtype dtype, int64_t n,
-                            int64_t k, m3_tensor *out) {
+m3_status m3_bind_plain(const m3_binder *b, const char *suffix, m3_dtype dtype, int64_t n,
+                        int64_t k, m3_tensor *out) {
     const m3_st_entry *e = find(b, suffix);
     if (!e)
         return missing(b, suffix);
@@ -98,8 +97,8 @@ static m3_status bind_linear_entry(const binder *b, const m3_st_entry *w, const 
     return M3_OK;
 }
 
-static m3_status bind_linear(const binder *b, const char *base, int64_t n, int64_t k,
-                             m3_linear *out) {
+m3_status m3_bind_linear(const m3_binder *b, const char *base, int64_t n, int64_t k,
+                         m3_linear *out) {
     char wname[NAME_CAP], sname[NAME_CAP];
     snprintf(wname, sizeof wname, "%s.weight", base);
     snprintf(sname, sizeof sname, "%s.weight_scale_inv", base);
@@ -111,16 +110,16 @@ static m3_status bind_linear(const binder *b, const char *base, int64_t n, int64
 
 /* gate and up: separate (gate_base, up_base) or one fused tensor
  * fused_base [2n, k] with the gate rows first. */
-static m3_status bind_gate_up(const binder *b, const char *gate_base, const char *up_base,
-                              const char *fused_base, int64_t n, int64_t k, m3_linear *gate,
-                              m3_linear *up) {
+m3_status m3_bind_gate_up(const m3_binder *b, const char *gate_base, const char *up_base,
+                          const char *fused_base, int64_t n, int64_t k, m3_linear *gate,
+                          m3_linear *up) {
     char wname[NAME_CAP], sname[NAME_CAP];
     snprintf(wname, sizeof wname, "%s.weight", fused_base);
     snprintf(sname, sizeof sname, "%s.weight_scale_inv", fused_base);
     const m3_st_entry *fused = find(b, wname);
     if (!fused) {
-        M3_TRY(bind_linear(b, gate_base, n, k, gate));
-        return bind_linear(b, up_base, n, k, up);
+        M3_TRY(m3_bind_linear(b, gate_base, n, k, gate));
+        return m3_bind_linear(b, up_base, n, k, up);
     }
     m3_linear both;
     M3_TRY(bind_linear_entry(b, fused, sname, 2 * n, k, &both));
@@ -213,22 +212,22 @@ static m3_status bind_moe(const binder *b, m3_layer_weights *lw, const m3_config
     bool released = find(b, s) != NULL;
     const char *moe = released ? "block_sparse_moe" : "mlp";
     snprintf(s, sizeof s, "layers.%d.%s.gate.weight", i, moe);
-    M3_TRY(bind_plain(b, s, M3_DT_F32, E, H, &lw->router));
+    M3_TRY(m3_bind_plain(b, s, M3_DT_F32, E, H, &lw->router));
     if (c->use_routing_bias) {
         snprintf(s, sizeof s, "layers.%d.%s.e_score_correction_bias", i, moe);
         if (!released && !find(b, s))
             snprintf(s, sizeof s, "layers.%d.mlp.gate.e_score_correction_bias", i);
-        M3_TRY(bind_plain(b, s, M3_DT_F32, E, 0, &lw->router_bias));
+        M3_TRY(m3_bind_plain(b, s, M3_DT_F32, E, 0, &lw->router_bias));
     }
     snprintf(s, sizeof s, "layers.%d.%s.experts.0.w1.weight", i, moe);
     if (find(b, s)) {
         for (int64_t e = 0; e < E; e++) {
             snprintf(s, sizeof s, "layers.%d.%s.experts.%lld.w1", i, moe, (long long)e);
-            M3_TRY(bind_linear(b, s, I, H, &lw->exp_gate[e]));
+            M3_TRY(m3_bind_linear(b, s, I, H, &lw->exp_gate[e]));
             snprintf(s, sizeof s, "layers.%d.%s.experts.%lld.w3", i, moe, (long long)e);
-            M3_TRY(bind_linear(b, s, I, H, &lw->exp_up[e]));
+            M3_TRY(m3_bind_linear(b, s, I, H, &lw->exp_up[e]));
             snprintf(s, sizeof s, "layers.%d.%s.experts.%lld.w2", i, moe, (long long)e);
-            M3_TRY(bind_linear(b, s, H, I, &lw->exp_down[e]));
+            M3_TRY(m3_bind_linear(b, s, H, I, &lw->exp_down[e]));
         }
     } else {
         snprintf(s, sizeof s, "layers.%d.%s.experts", i, moe);
@@ -238,9 +237,9 @@ static m3_status bind_moe(const binder *b, m3_layer_weights *lw, const m3_config
         snprintf(s, sizeof s, "layers.%d.%s.shared_experts.gate_proj", i, moe);
         snprintf(s2, sizeof s2, "layers.%d.%s.shared_experts.up_proj", i, moe);
         snprintf(s3, sizeof s3, "layers.%d.%s.shared_experts.gate_up_proj", i, moe);
-        M3_TRY(bind_gate_up(b, s, s2, s3, Is, H, &lw->sh_gate, &lw->sh_up));
+        M3_TRY(m3_bind_gate_up(b, s, s2, s3, Is, H, &lw->sh_gate, &lw->sh_up));
         snprintf(s, sizeof s, "layers.%d.%s.shared_experts.down_proj", i, moe);
-        M3_TRY(bind_linear(b, s, H, Is, &lw->sh_down));
+        M3_TRY(m3_bind_linear(b, s, H, Is, &lw->sh_down));
     }
     return M3_OK;
 }
@@ -252,12 +251,12 @@ static m3_status bind_attention(const binder *b, m3_layer_weights *lw, const m3_
 #define LIN(field, what, n, k)                                     \
     do {                                                           \
         snprintf(s, sizeof s, "layers.%d.self_attn." what, i);     \
-        M3_TRY(bind_linear(b, s, (n), (k), &lw->field));           \
+        M3_TRY(m3_bind_linear(b, s, (n), (k), &lw->field));           \
     } while (0)
 #define NORM(field, what, n)                                       \
     do {                                                           \
         snprintf(s, sizeof s, "layers.%d." what ".weight", i);     \
-        M3_TRY(bind_plain(b, s, M3_DT_BF16, (n), 0, &lw->field));  \
+        M3_TRY(m3_bind_plain(b, s, M3_DT_BF16, (n), 0, &lw->field));  \
     } while (0)
     NORM(input_norm, "input_layernorm", H);
     NORM(post_norm, "post_attention_layernorm", H);
@@ -320,9 +319,9 @@ static m3_status bind_layer(const binder *b, m3_layer_weights *lw, const m3_conf
     snprintf(s, sizeof s, "layers.%d.mlp.gate_proj", i);
     snprintf(s2, sizeof s2, "layers.%d.mlp.up_proj", i);
     snprintf(s3, sizeof s3, "layers.%d.mlp.gate_up_proj", i);
-    M3_TRY(bind_gate_up(b, s, s2, s3, c->dense_dim, c->hidden_size, &lw->mlp_gate, &lw->mlp_up));
+    M3_TRY(m3_bind_gate_up(b, s, s2, s3, c->dense_dim, c->hidden_size, &lw->mlp_gate, &lw->mlp_up));
     snprintf(s, sizeof s, "layers.%d.mlp.down_proj", i);
-    M3_TRY(bind_linear(b, s, c->hidden_size, c->dense_dim, &lw->mlp_down));
+    M3_TRY(m3_bind_linear(b, s, c->hidden_size, c->dense_dim, &lw->mlp_down));
     mark_row_parallel(&lw->mlp_down);
     mark_column_parallel(&lw->mlp_gate);
     mark_column_parallel(&lw->mlp_up);
@@ -336,9 +335,9 @@ static const char *const head_names[] = {"language_model.lm_head.weight",
 
 static m3_status bind_model(m3_model *m) {
     const m3_config *c = &m->cfg;
-    binder b = {m, NULL};
+    binder b = {m->files, NULL};
     for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes && !b.prefix; i++) {
-        binder probe = {m, prefixes[i]};
+        binder probe = {m->files, prefixes[i]};
         if (find(&probe, "embed_tokens.weight"))
             b.prefix = prefixes[i];
     }
@@ -346,13 +345,13 @@ static m3_status bind_model(m3_model *m) {
         return m3_fail(M3_ERR_FORMAT,
                        "checkpoint has no embedding (language_model.model.embed_tokens.weight, "
                        "model.language_model.embed_tokens.weight or model.embed_tokens.weight)");
-    M3_TRY(bind_plain(&b, "embed_tokens.weight", M3_DT_BF16, c->vocab_size, c->hidden_size,
+    M3_TRY(m3_bind_plain(&b, "embed_tokens.weight", M3_DT_BF16, c->vocab_size, c->hidden_size,
                       &m->w.embed));
-    M3_TRY(bind_plain(&b, "norm.weight", M3_DT_BF16, c->hidden_size, 0, &m->w.norm));
+    M3_TRY(m3_bind_plain(&b, "norm.weight", M3_DT_BF16, c->hidden_size, 0, &m->w.norm));
     if (c->tie_word_embeddings) {
         m->w.lm_head = m->w.embed;
     } else {
-        binder bare = {m, ""};
+        binder bare = {m->files, ""};
         const char *head = NULL;
         for (size_t i = 0; i < sizeof head_names / sizeof *head_names && !head; i++)
             if (find(&bare, head_names[i]))
@@ -361,7 +360,7 @@ static m3_status bind_model(m3_model *m) {
             return m3_fail(M3_ERR_FORMAT,
                            "checkpoint has no lm_head (language_model.lm_head.weight or "
                            "lm_head.weight) and tie_word_embeddings is false");
-        M3_TRY(bind_plain(&bare, head, M3_DT_BF16, c->vocab_size, c->hidden_size, &m->w.lm_head));
+        M3_TRY(m3_bind_plain(&bare, head, M3_DT_BF16, c->vocab_size, c->hidden_size, &m->w.lm_head));
     }
     m->w.layers = calloc((size_t)c->num_layers, sizeof *m->w.layers);
     if (!m->w.layers)

@@ -167,9 +167,9 @@ static cJSON *layer_list(const bool *flags, int n) {
     return a;
 }
 
-static cJSON *text_config_json(const m3_config *c) {
-    cJSON *t = cJSON_CreateObject();
-    cJSON_AddStringToObject(t, "model_type", "minimax_m3");
+/* The fields of a dense M3 layer's attention, norms and SwiGLU, shared by
+ * the target's config.json and a DSpark drafter's. */
+static void dense_fields_json(cJSON *t, const m3_config *c) {
     cJSON_AddNumberToObject(t, "hidden_size", c->hidden_size);
     cJSON_AddNumberToObject(t, "num_hidden_layers", c->num_layers);
     cJSON_AddNumberToObject(t, "num_attention_heads", c->num_q_heads);
@@ -178,6 +178,18 @@ static cJSON *text_config_json(const m3_config *c) {
     cJSON_AddNumberToObject(t, "rotary_dim", c->rotary_dim);
     cJSON_AddNumberToObject(t, "partial_rotary_factor", (double)c->rotary_dim / c->head_dim);
     cJSON_AddNumberToObject(t, "rope_theta", c->rope_theta);
+    cJSON_AddStringToObject(t, "hidden_act", "swigluoai");
+    cJSON_AddNumberToObject(t, "swiglu_alpha", c->swiglu_alpha);
+    cJSON_AddNumberToObject(t, "swiglu_limit", c->swiglu_limit);
+    cJSON_AddNumberToObject(t, "rms_norm_eps", c->rms_norm_eps);
+    cJSON_AddBoolToObject(t, "use_gemma_norm", true);
+    cJSON_AddNumberToObject(t, "max_position_embeddings", (double)c->max_position_embeddings);
+}
+
+static cJSON *text_config_json(const m3_config *c) {
+    cJSON *t = cJSON_CreateObject();
+    cJSON_AddStringToObject(t, "model_type", "minimax_m3");
+    dense_fields_json(t, c);
     cJSON_AddNumberToObject(t, "vocab_size", c->vocab_size);
     cJSON_AddNumberToObject(t, "intermediate_size", c->expert_dim);
     cJSON_AddNumberToObject(t, "dense_intermediate_size", c->dense_dim);
@@ -189,14 +201,8 @@ static cJSON *text_config_json(const m3_config *c) {
     cJSON_AddStringToObject(t, "scoring_func", "sigmoid");
     cJSON_AddBoolToObject(t, "use_routing_bias", c->use_routing_bias);
     cJSON_AddNumberToObject(t, "routed_scaling_factor", c->routed_scaling_factor);
-    cJSON_AddStringToObject(t, "hidden_act", "swigluoai");
-    cJSON_AddNumberToObject(t, "swiglu_alpha", c->swiglu_alpha);
-    cJSON_AddNumberToObject(t, "swiglu_limit", c->swiglu_limit);
-    cJSON_AddNumberToObject(t, "rms_norm_eps", c->rms_norm_eps);
-    cJSON_AddBoolToObject(t, "use_gemma_norm", true);
     cJSON_AddStringToObject(t, "qk_norm_type", "per_head");
     cJSON_AddBoolToObject(t, "tie_word_embeddings", c->tie_word_embeddings);
-    cJSON_AddNumberToObject(t, "max_position_embeddings", (double)c->max_position_embeddings);
     if (c->num_eos == 1)
         cJSON_AddNumberToObject(t, "eos_token_id", c->eos_ids[0]);
     else if (c->num_eos > 1)
@@ -241,6 +247,81 @@ m3_status m3_config_to_json(const m3_config *c, char **out) {
     cJSON_Delete(root);
     if (!text)
         return m3_fail(M3_ERR_NO_MEMORY, "out of memory rendering config.json");
+    *out = text;
+    return M3_OK;
+}
+
+/* ------------------------------------------------------------ DSpark drafter */
+
+m3_status m3_draft_config_for(const m3_config *t, const m3_synth_draft_opts *o,
+                              m3_draft_config *out) {
+    memset(out, 0, sizeof *out);
+    int layers = o && o->layers ? o->layers : 5;
+    if (layers < 1 || layers > M3_MAX_LAYERS)
+        return m3_fail(M3_ERR_INVALID_ARG, "a drafter of %d layers", layers);
+    m3_config *a = &out->attn;
+    a->hidden_size = t->hidden_size;
+    a->num_layers = layers;
+    a->num_q_heads = t->num_q_heads;
+    a->num_kv_heads = t->num_kv_heads;
+    a->head_dim = t->head_dim;
+    a->rotary_dim = t->rotary_dim;
+    a->rope_theta = t->rope_theta;
+    a->rms_norm_eps = t->rms_norm_eps;
+    a->swiglu_alpha = t->swiglu_alpha;
+    a->swiglu_limit = t->swiglu_limit;
+    a->max_position_embeddings = t->max_position_embeddings;
+    a->mxfp8 = o && o->mxfp8;
+    out->vocab_size = t->vocab_size;
+    /* k taps spread over the target's layers, the last one included (the
+     * release taps 5 of 60: 3, 17, 31, 45, 59) */
+    out->n_taps = t->num_layers < 5 ? t->num_layers : 5;
+    for (int i = 0; i < out->n_taps; i++)
+        out->taps[i] = (int)((int64_t)(i + 1) * t->num_layers / out->n_taps) - 1;
+    out->mask_token = t->vocab_size - 1;
+    out->block = o && o->block ? o->block : 7;
+    out->markov_rank = t->hidden_size >= 1024 ? 256 : 8;
+    out->ffn_dim = t->dense_dim ? t->dense_dim : 2 * t->hidden_size;
+    out->window = o ? o->window : 0;
+    if (out->block < 1 || out->block > M3_MAX_DRAFT_BLOCK)
+        return m3_fail(M3_ERR_INVALID_ARG, "a draft block of %d rows (1 to %d)", out->block,
+                       M3_MAX_DRAFT_BLOCK);
+    if (out->window && out->window < out->block)
+        return m3_fail(M3_ERR_INVALID_ARG, "a window of %lld keys is smaller than the block of %d",
+                       (long long)out->window, out->block);
+    return M3_OK;
+}
+
+m3_status m3_draft_config_to_json(const m3_draft_config *d, char **out) {
+    *out = NULL;
+    const m3_config *c = &d->attn;
+    cJSON *root = cJSON_CreateObject();
+    cJSON *t = cJSON_AddObjectToObject(root, "text_config");
+    dense_fields_json(t, c);
+    cJSON_AddNumberToObject(t, "vocab_size", d->vocab_size);
+    cJSON_AddNumberToObject(t, "dspark_ffn_hidden_size", d->ffn_dim);
+    cJSON_AddItemToObject(t, "dspark_target_layer_ids", cJSON_CreateIntArray(d->taps, d->n_taps));
+    cJSON_AddNumberToObject(t, "dspark_noise_token_id", d->mask_token);
+    cJSON_AddNumberToObject(t, "dspark_block_size", d->block);
+    if (d->markov_rank >= 0) /* (-1: not given) */
+        cJSON_AddNumberToObject(t, "dspark_markov_rank", d->markov_rank);
+    cJSON_AddStringToObject(t, "dspark_markov_head_type", "vanilla");
+    cJSON *types = cJSON_AddArrayToObject(t, "layer_types");
+    for (int i = 0; i < c->num_layers; i++)
+        cJSON_AddItemToArray(types, cJSON_CreateString(d->window ? "sliding_attention"
+                                                                 : "full_attention"));
+    if (d->window)
+        cJSON_AddNumberToObject(t, "sliding_window", (double)d->window);
+    if (c->mxfp8) {
+        cJSON *q = cJSON_AddObjectToObject(root, "quantization_config");
+        cJSON_AddStringToObject(q, "quant_method", "mxfp8");
+        int bs[2] = {1, 32};
+        cJSON_AddItemToObject(q, "weight_block_size", cJSON_CreateIntArray(bs, 2));
+    }
+    char *text = cJSON_Print(root);
+    cJSON_Delete(root);
+    if (!text)
+        return m3_fail(M3_ERR_NO_MEMORY, "out of memory rendering the drafter's config.json");
     *out = text;
     return M3_OK;
 }

@@ -365,33 +365,28 @@ static m3_status write_index(const char *dir, const synth_list *l, int n_shards,
     return st;
 }
 
-m3_status m3_synth(const m3_config *cfg, const char *dir, const m3_synth_opts *opts) {
+/* Write the listed tensors and config.json (json) into dir. */
+static m3_status write_checkpoint(const char *dir, synth_list *lp, const char *json,
+                                  const m3_synth_opts *opts) {
     m3_synth_opts o = opts ? *opts : (m3_synth_opts){0};
     if (!o.max_shard_bytes)
         o.max_shard_bytes = (int64_t)4 << 30;
-    if (cfg->mxfp8 && (cfg->hidden_size % 32 || cfg->expert_dim % 32 || cfg->dense_dim % 32 ||
-                       cfg->shared_dim % 32 || (cfg->num_q_heads * cfg->head_dim) % 32))
-        return m3_fail(M3_ERR_INVALID_ARG, "MXFP8 synth needs every K dimension divisible by 32");
     M3_TRY(make_dir(dir));
-    synth_list l = {0};
+    synth_list l = *lp;
     m3_pool *pool = NULL;
     size_t buf_bytes = (size_t)16 << 20;
     void *buf = NULL;
     m3_progress prog;
-    char *json = NULL;
-    m3_status st = list_tensors(&l, cfg);
     int64_t total = 0;
-    int n_shards = st ? 0 : assign_shards(&l, o.max_shard_bytes, &total);
+    int n_shards = assign_shards(&l, o.max_shard_bytes, &total);
     char path[4200];
-    if (!st) {
-        /* a stale index or single file from an earlier synth would shadow
-         * the new files */
-        snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-        remove(path);
-        snprintf(path, sizeof path, "%s/model.safetensors", dir);
-        remove(path);
-        st = m3_pool_create(0, &pool);
-    }
+    /* a stale index or single file from an earlier synth would shadow the
+     * new files */
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    remove(path);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    remove(path);
+    m3_status st = m3_pool_create(0, &pool);
     if (!st && !(buf = malloc(buf_bytes)))
         st = m3_fail(M3_ERR_NO_MEMORY, "out of memory for the synth buffer");
     m3_progress_begin(&prog, "synth", total, o.progress);
@@ -400,17 +395,94 @@ m3_status m3_synth(const m3_config *cfg, const char *dir, const m3_synth_opts *o
     m3_progress_end(&prog);
     if (!st && n_shards > 1)
         st = write_index(dir, &l, n_shards, total);
-    if (!st)
-        st = m3_config_to_json(cfg, &json);
     if (!st) {
         snprintf(path, sizeof path, "%s/config.json", dir);
         st = write_file_atomic(path, json);
     }
-    free(json);
     free(buf);
-    free(l.t);
     m3_pool_free(pool);
+    return st;
+}
+
+m3_status m3_synth(const m3_config *cfg, const char *dir, const m3_synth_opts *opts) {
+    if (cfg->mxfp8 && (cfg->hidden_size % 32 || cfg->expert_dim % 32 || cfg->dense_dim % 32 ||
+                       cfg->shared_dim % 32 || (cfg->num_q_heads * cfg->head_dim) % 32))
+        return m3_fail(M3_ERR_INVALID_ARG, "MXFP8 synth needs every K dimension divisible by 32");
+    synth_list l = {0};
+    char *json = NULL;
+    m3_status st = list_tensors(&l, cfg);
+    if (!st)
+        st = m3_config_to_json(cfg, &json);
+    if (!st)
+        st = write_checkpoint(dir, &l, json, opts);
+    free(json);
+    free(l.t);
     if (st)
         return m3_fail_context(st, "synth into %s", dir);
+    return M3_OK;
+}
+
+#define DP "language_model.model.dspark."
+
+/* The drafter's tensors in the release's names (docs/DSPARK.md). */
+static m3_status list_drafter(synth_list *l, const m3_draft_config *d) {
+    const m3_config *c = &d->attn;
+    int64_t H = c->hidden_size, D = c->head_dim, F = d->ffn_dim, V = d->vocab_size;
+    bool q8 = c->mxfp8;
+    const float norm_std = 0.05f;
+    char b[160];
+    M3_TRY(add_linear(l, q8, H, d->n_taps * H, DP "fc"));
+    M3_TRY(add(l, M3_DT_BF16, H, 0, INIT_NORM, norm_std, DP "hidden_norm.weight"));
+    M3_TRY(add(l, M3_DT_BF16, H, 0, INIT_NORM, norm_std, DP "final_norm.weight"));
+    if (d->markov_rank) {
+        M3_TRY(add(l, M3_DT_BF16, V, d->markov_rank, INIT_EMBED, 1.0f,
+                   DP "markov_head.markov_w1.weight"));
+        M3_TRY(add(l, M3_DT_BF16, V, d->markov_rank, INIT_LINEAR,
+                   1.0f / sqrtf((float)d->markov_rank), DP "markov_head.markov_w2.weight"));
+    }
+    for (int i = 0; i < c->num_layers; i++) {
+        M3_TRY(add(l, M3_DT_BF16, H, 0, INIT_NORM, norm_std,
+                   DP "layers.%d.decoder_layer.input_layernorm.weight", i));
+        M3_TRY(add(l, M3_DT_BF16, H, 0, INIT_NORM, norm_std,
+                   DP "layers.%d.decoder_layer.post_attention_layernorm.weight", i));
+#define LIN(n, k, what)                                                             \
+    do {                                                                            \
+        snprintf(b, sizeof b, DP "layers.%d.decoder_layer." what, i);               \
+        M3_TRY(add_linear(l, q8, (n), (k), b));                                     \
+    } while (0)
+        LIN(c->num_q_heads * D, H, "self_attn.q_proj");
+        LIN(c->num_kv_heads * D, H, "self_attn.k_proj");
+        LIN(c->num_kv_heads * D, H, "self_attn.v_proj");
+        LIN(H, c->num_q_heads * D, "self_attn.o_proj");
+        LIN(F, H, "mlp.gate_proj");
+        LIN(F, H, "mlp.up_proj");
+        LIN(H, F, "mlp.down_proj");
+#undef LIN
+        M3_TRY(add(l, M3_DT_BF16, D, 0, INIT_NORM, norm_std,
+                   DP "layers.%d.decoder_layer.self_attn.q_norm.weight", i));
+        M3_TRY(add(l, M3_DT_BF16, D, 0, INIT_NORM, norm_std,
+                   DP "layers.%d.decoder_layer.self_attn.k_norm.weight", i));
+    }
+    return M3_OK;
+}
+
+m3_status m3_synth_drafter(const m3_config *target, const char *dir,
+                           const m3_synth_draft_opts *draft, const m3_synth_opts *opts) {
+    m3_draft_config d;
+    M3_TRY(m3_draft_config_for(target, draft, &d));
+    const m3_config *c = &d.attn;
+    if (c->mxfp8 && (c->hidden_size % 32 || d.ffn_dim % 32 || (c->num_q_heads * c->head_dim) % 32))
+        return m3_fail(M3_ERR_INVALID_ARG, "MXFP8 synth needs every K dimension divisible by 32");
+    synth_list l = {0};
+    char *json = NULL;
+    m3_status st = list_drafter(&l, &d);
+    if (!st)
+        st = m3_draft_config_to_json(&d, &json);
+    if (!st)
+        st = write_checkpoint(dir, &l, json, opts);
+    free(json);
+    free(l.t);
+    if (st)
+        return m3_fail_context(st, "synth of a drafter into %s", dir);
     return M3_OK;
 }

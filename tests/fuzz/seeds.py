@@ -86,6 +86,25 @@ def main():
     put("fuzz_config", "released.json", json.dumps(nested, indent=1))
     put("fuzz_config", "flat.json", json.dumps(TEXT))
     put("fuzz_config", "hf_flattened.json", json.dumps(HF))
+    # DSpark drafters (docs/DSPARK.md): the release's nested spelling with a
+    # key window, and NeMo's flat one
+    draft = {"hidden_size": 6144, "num_hidden_layers": 5, "num_attention_heads": 64,
+             "num_key_value_heads": 4, "head_dim": 128, "rotary_dim": 64,
+             "rope_theta": 5000000, "vocab_size": 200064, "rms_norm_eps": 1e-06,
+             "use_gemma_norm": True, "hidden_act": "swigluoai",
+             "dspark_target_layer_ids": [3, 17, 31, 45, 59], "dspark_noise_token_id": 200058,
+             "dspark_block_size": 7, "dspark_markov_rank": 256,
+             "dspark_markov_head_type": "vanilla", "dspark_ffn_hidden_size": 12288,
+             "layer_types": ["sliding_attention"] * 5, "sliding_window": 4096}
+    put("fuzz_config", "dspark_release.json", json.dumps(
+        {"text_config": draft,
+         "quantization_config": {"quant_method": "mxfp8", "weight_block_size": [1, 32]}}))
+    nemo = {k: v for k, v in draft.items() if not k.startswith("dspark_")
+            and k not in ("layer_types", "sliding_window")}
+    nemo.update({"target_layer_ids": [10, 22, 34, 46, 58], "mask_token_id": 128799,
+                 "block_size": 7, "markov_rank": 256, "markov_head_type": "vanilla",
+                 "num_anchors": 512, "enable_confidence_head": False})
+    put("fuzz_config", "dspark_nemo.json", json.dumps(nemo))
 
     bf16 = struct.pack("<8H", *range(0x3f80, 0x3f88))
     f32 = struct.pack("<4f", 1.0, -2.0, 0.5, 3.0)

@@ -952,14 +952,17 @@ def mlp_block(model, i, x):
 # Whole model
 # --------------------------------------------------------------------------
 
-def forward_logits(model, tokens, prompt_len=1, trace=None):
+def forward_logits(model, tokens, prompt_len=1, trace=None, taps=None):
     """Teacher-forced forward of one request (positions 0..L-1).
 
     Returns fp32 logits [L - prompt_len + 1, vocab]; row i is the logits at
     position prompt_len - 1 + i.  If `trace` is a dict it receives per-layer
     tensors ('L{i}.residual' after the attention add, 'L{i}.hidden' = FFN
     output, 'L{i}.select' [G, L, topk] on sparse layers, router choices on MoE
-    layers, 'final_norm').
+    layers, 'final_norm').  If `taps` is a dict, each of its keys that is a
+    layer id i gets the residual stream after that layer, bf16(hidden_i +
+    residual_i) [L, H] (the input of layer i + 1, or what the final norm reads
+    after the last layer): the DSpark drafter's taps (docs/DSPARK.md).
     """
     c = model.cfg
     tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -986,6 +989,8 @@ def forward_logits(model, tokens, prompt_len=1, trace=None):
         hidden = moe_block(model, i, x, trace) if c.moe[i] else mlp_block(model, i, x)
         if trace is not None:
             trace[f"L{i}.residual"], trace[f"L{i}.hidden"] = residual, hidden
+        if taps is not None and i in taps:
+            taps[i] = bf16_round(hidden + residual)
     final = bf16_round(hidden + residual)
     out = bf16_round(rms_norm(final, model.w("norm.weight"), c.eps))
     if trace is not None:

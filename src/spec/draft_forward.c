@@ -1,0 +1,232 @@
+/*
+ * The DSpark drafter's two passes (docs/DSPARK.md "The math"), on the bound
+ * engine's backend ops, so they round exactly where the target's dense
+ * layers do: the context (the rows a target step kept, through fc, the
+ * hidden norm and each draft layer's k/v projections into its paged cache)
+ * and the draft step (B rows of the anchor and mask tokens through the
+ * draft layers, the target's lm_head, then the Markov head row by row).
+ * The attention is the drafter's own: non-causal over [context | block],
+ * optionally windowed; it runs on the host, which is why attach asks for
+ * the CPU backend.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/bf16.h"
+#include "core/status.h"
+#include "cpu/cpu.h"
+#include "spec/drafter.h"
+
+m3_status m3_drafter_extend(m3_drafter *d, int rows) {
+    m3_draft_run *r = &d->run;
+    m3_engine *e = r->eng;
+    if (!e)
+        return m3_fail(M3_ERR_INVALID_ARG, "the drafter is not bound to an engine");
+    const m3_step *st = &e->step;
+    if (rows < 0 || rows > st->rows || rows > r->rows)
+        return m3_fail(M3_ERR_INVALID_ARG, "drafter context: %d rows of a %d-row step", rows,
+                       st->rows);
+    if (!rows)
+        return M3_OK;
+    for (int t = 0; t < rows; t++)
+        if (st->host.slots[t] < 0)
+            return m3_fail(M3_ERR_INVALID_ARG, "drafter context: row %d is padding", t);
+    const m3_backend_ops *op = e->be->ops;
+    m3_backend *be = e->be;
+    const m3_config *a = &d->cfg.attn;
+    int H = a->hidden_size, D = a->head_dim, Nkv = a->num_kv_heads;
+    m3_rope rope = {a->rotary_dim, a->rope_theta};
+    M3_TRY(op->upload(be, r->taps, e->tap_host, (size_t)rows * d->cfg.n_taps * H * 2));
+    M3_TRY(op->linear(be, rows, r->taps, &d->fc, M3_DT_BF16, r->ctx_u));
+    M3_TRY(op->add_rmsnorm(be, rows, H, NULL, r->ctx_u, &d->hidden_norm, a->rms_norm_eps,
+                           r->ctx_h));
+    for (int i = 0; i < a->num_layers; i++) {
+        const m3_draft_layer *L = &d->layers[i];
+        M3_TRY(op->linear(be, rows, r->ctx_h, &L->k_proj, M3_DT_BF16, r->ctx_k));
+        M3_TRY(op->linear(be, rows, r->ctx_h, &L->v_proj, M3_DT_BF16, r->ctx_v));
+        M3_TRY(op->head_norm_rope(be, rows, Nkv, D, r->ctx_k, (int64_t)Nkv * D, &L->k_norm,
+                                  a->rms_norm_eps, st->dev.positions, &rope));
+        M3_TRY(op->cache_write(be, rows, st->dev.slots, Nkv, D, r->ctx_k, (int64_t)Nkv * D,
+                               r->k_cache[i]));
+        M3_TRY(op->cache_write(be, rows, st->dev.slots, Nkv, D, r->ctx_v, (int64_t)Nkv * D,
+                               r->v_cache[i]));
+    }
+    return M3_OK;
+}
+
+/* Softmax attention of one query head q (fp32) over n keys given as bf16
+ * rows by key(i) / val(i), the target's arithmetic (cpu_attention.c):
+ * fp32 scores, their exp summed in double, p = e / sum, out = sum p v in
+ * double rounded once to bf16. */
+typedef struct key_src {
+    const m3_drafter *d;
+    const int32_t *pages; /* the sequence's block table */
+    int layer, g;         /* draft layer, KV head */
+    int64_t ctx_lo, ctx_n;/* context positions [ctx_lo, ctx_lo + ctx_n) */
+} key_src;
+
+static const uint16_t *key_row(const key_src *k, int64_t i, bool value) {
+    const m3_draft_run *r = &k->d->run;
+    const m3_config *a = &k->d->cfg.attn;
+    int D = a->head_dim, Nkv = a->num_kv_heads;
+    if (i < k->ctx_n) {
+        int64_t pos = k->ctx_lo + i;
+        const uint16_t *cache = value ? r->v_cache[k->layer] : r->k_cache[k->layer];
+        return cache + m3_cache_offset(k->pages[pos / M3_PAGE_TOKENS], pos % M3_PAGE_TOKENS,
+                                       Nkv, k->g, D);
+    }
+    const uint16_t *blk = value ? r->v : r->k;
+    return blk + (size_t)(i - k->ctx_n) * Nkv * D + (size_t)k->g * D;
+}
+
+static void attend(const key_src *k, int64_t n, const float *q, float scale, uint16_t *out) {
+    const m3_draft_run *r = &k->d->run;
+    int D = k->d->cfg.attn.head_dim;
+    float *s = r->att_buf, *kv = s + r->att_keys; /* q sits past kv (draft_attention) */
+    double *acc = (double *)(kv + ((2 * D + 1) & ~1));
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        m3_bf16_row_to_f32(key_row(k, i, false), kv, D);
+        s[i] = m3_dot_f32(q, kv, D) * scale;
+        m = fmaxf(m, s[i]);
+    }
+    double sum_d = 0;
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = m3_exp_f32(s[i] - m);
+        sum_d += s[i];
+    }
+    float sum = (float)sum_d;
+    memset(acc, 0, (size_t)D * sizeof *acc);
+    for (int64_t i = 0; i < n; i++) {
+        float p = s[i] / sum;
+        m3_bf16_row_to_f32(key_row(k, i, true), kv, D);
+        for (int t = 0; t < D; t++)
+            acc[t] += (double)p * (double)kv[t];
+    }
+    for (int t = 0; t < D; t++)
+        out[t] = m3_f32_to_bf16((float)acc[t]);
+}
+
+/* Every block row's query heads over [context | block] (docs/DSPARK.md). */
+static void draft_attention(m3_drafter *d, const int32_t *pages, int64_t p, int layer) {
+    m3_draft_run *r = &d->run;
+    const m3_config *a = &d->cfg.attn;
+    int B = d->cfg.block, D = a->head_dim, Nq = a->num_q_heads, Nkv = a->num_kv_heads;
+    int group = Nq / Nkv;
+    float scale = (float)(1.0 / sqrt((double)D));
+    float *q = r->att_buf + r->att_keys + D; /* past the scores and kv (attend) */
+    for (int j = 0; j < B; j++) {
+        int64_t lo = 0;
+        if (d->cfg.window && p + j - d->cfg.window + 1 > 0)
+            lo = p + j - d->cfg.window + 1;
+        if (lo > p)
+            lo = p;
+        for (int h = 0; h < Nq; h++) {
+            key_src k = {d, pages, layer, h / group, lo, p - lo};
+            m3_bf16_row_to_f32(r->q + ((size_t)j * Nq + h) * D, q, D);
+            attend(&k, k.ctx_n + B, q, scale, r->attn + ((size_t)j * Nq + h) * D);
+        }
+    }
+}
+
+/* The B rows through the draft layers and the target's final head:
+ * r->logits [B, V] (backend memory), before the Markov bias. */
+static m3_status draft_rows(m3_drafter *d, const int32_t *pages, int64_t p) {
+    m3_draft_run *r = &d->run;
+    m3_engine *e = r->eng;
+    const m3_backend_ops *op = e->be->ops;
+    m3_backend *be = e->be;
+    const m3_config *a = &d->cfg.attn;
+    int B = d->cfg.block, H = a->hidden_size, D = a->head_dim;
+    int Nq = a->num_q_heads, Nkv = a->num_kv_heads;
+    float eps = a->rms_norm_eps;
+    m3_rope rope = {a->rotary_dim, a->rope_theta};
+    m3_swiglu act = {a->swiglu_alpha, a->swiglu_limit};
+    M3_TRY(op->embed(be, B, r->tokens, &e->w.embed, 0, r->residual));
+    for (int i = 0; i < a->num_layers; i++) {
+        const m3_draft_layer *L = &d->layers[i];
+        M3_TRY(op->add_rmsnorm(be, B, H, i ? r->hidden : NULL, r->residual, &L->input_norm, eps,
+                               r->x));
+        M3_TRY(op->linear(be, B, r->x, &L->q_proj, M3_DT_BF16, r->q));
+        M3_TRY(op->linear(be, B, r->x, &L->k_proj, M3_DT_BF16, r->k));
+        M3_TRY(op->linear(be, B, r->x, &L->v_proj, M3_DT_BF16, r->v));
+        M3_TRY(op->head_norm_rope(be, B, Nq, D, r->q, (int64_t)Nq * D, &L->q_norm, eps,
+                                  r->positions, &rope));
+        M3_TRY(op->head_norm_rope(be, B, Nkv, D, r->k, (int64_t)Nkv * D, &L->k_norm, eps,
+                                  r->positions, &rope));
+        draft_attention(d, pages, p, i);
+        M3_TRY(op->linear(be, B, r->attn, &L->o_proj, M3_DT_BF16, r->o));
+        M3_TRY(op->add_rmsnorm(be, B, H, r->o, r->residual, &L->post_norm, eps, r->x));
+        M3_TRY(op->linear(be, B, r->x, &L->gate, M3_DT_BF16, r->gate));
+        M3_TRY(op->linear(be, B, r->x, &L->up, M3_DT_BF16, r->up));
+        M3_TRY(op->swiglu(be, (int64_t)B * d->ffn_dim, r->gate, r->up, &act, r->act));
+        M3_TRY(op->linear(be, B, r->act, &L->down, M3_DT_BF16, r->hidden));
+    }
+    M3_TRY(op->add_rmsnorm(be, B, H, r->hidden, r->residual, &d->final_norm, eps, r->final));
+    m3_linear head = {e->w.lm_head, {0}, 0, 0};
+    return op->linear(be, B, r->final, &head, M3_DT_F32, r->logits);
+}
+
+/* The lowest id among the largest values (the greedy sampler's rule). */
+static int32_t argmax(const float *x, int n) {
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best] || (isnan(x[best]) && !isnan(x[i])))
+            best = i;
+    return best;
+}
+
+m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t anchor,
+                             int32_t *drafts, float *logits) {
+    m3_draft_run *r = &d->run;
+    m3_engine *e = r->eng;
+    if (!e)
+        return m3_fail(M3_ERR_INVALID_ARG, "the drafter is not bound to an engine");
+    M3_TRY(m3_cache_seq_check(&e->cache, seq));
+    const m3_seq_state *ss = &e->cache.seqs[seq];
+    int B = d->cfg.block, V = d->cfg.vocab_size, R = d->cfg.markov_rank;
+    if (p < 0 || p > ss->len)
+        return m3_fail(M3_ERR_INVALID_ARG, "draft step at position %lld: the sequence holds %lld",
+                       (long long)p, (long long)ss->len);
+    if (anchor < 0 || anchor >= V)
+        return m3_fail(M3_ERR_INVALID_ARG, "draft anchor token %d is outside the vocabulary",
+                       anchor);
+    const m3_backend_ops *op = e->be->ops;
+    m3_backend *be = e->be;
+    int32_t tokens[M3_MAX_DRAFT_BLOCK];
+    int64_t positions[M3_MAX_DRAFT_BLOCK];
+    for (int j = 0; j < B; j++) {
+        tokens[j] = j ? d->cfg.mask_token : anchor;
+        positions[j] = p + j;
+    }
+    M3_TRY(op->upload(be, r->tokens, tokens, (size_t)B * sizeof *tokens));
+    M3_TRY(op->upload(be, r->positions, positions, (size_t)B * sizeof *positions));
+    M3_TRY(draft_rows(d, ss->pages, p));
+    float *host = logits ? logits : malloc((size_t)B * V * sizeof *host);
+    float *bias = malloc((size_t)V * sizeof *bias);
+    m3_status st = host && bias ? M3_OK : m3_fail(M3_ERR_NO_MEMORY, "out of memory for drafts");
+    if (!st)
+        st = op->download(be, host, r->logits, (size_t)B * V * sizeof *host);
+    m3_linear w2 = {d->markov_w2, {0}, 0, 0};
+    for (int j = 0; j < B && !st; j++) {
+        float *row = host + (size_t)j * V;
+        int32_t prev = j ? drafts[j - 1] : anchor;
+        if (R) { /* row j += W2 . W1[prev] (fp32) */
+            const uint16_t *w1 = (const uint16_t *)d->markov_w1.data + (size_t)prev * R;
+            st = op->upload(be, r->w1_row, w1, (size_t)R * 2);
+            if (!st)
+                st = op->linear(be, 1, r->w1_row, &w2, M3_DT_F32, r->bias);
+            if (!st)
+                st = op->download(be, bias, r->bias, (size_t)V * sizeof *bias);
+            for (int v = 0; v < V && !st; v++)
+                row[v] += bias[v];
+        }
+        if (!st)
+            drafts[j] = argmax(row, V);
+    }
+    free(bias);
+    if (host != logits)
+        free(host);
+    return st;
+}

@@ -1,0 +1,277 @@
+/*
+ * Loading a DSpark drafter (docs/DSPARK.md): its config.json, checked
+ * against the target it drafts for (hidden and vocabulary sizes, tap
+ * layers, mask token), then every tensor bound to a view with its shape and
+ * dtype checked, so the forward (draft_forward.c) can trust them. Then
+ * attaching it to one engine: its context cache and activations in that
+ * engine's backend, and the engine's layer taps switched on.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/status.h"
+#include "model/bind.h"
+#include "spec/drafter.h"
+
+#define NAME_CAP 256
+
+/* The draft config against the target's. */
+static m3_status check_against(const m3_draft_config *d, const m3_config *t) {
+    const m3_config *a = &d->attn;
+    if (a->hidden_size != t->hidden_size)
+        return m3_fail(M3_ERR_CONFIG, "drafter hidden_size = %d but the target's is %d",
+                       a->hidden_size, t->hidden_size);
+    if (d->vocab_size != t->vocab_size)
+        return m3_fail(M3_ERR_CONFIG, "drafter vocab_size = %d but the target's is %d",
+                       d->vocab_size, t->vocab_size);
+    if (d->mask_token >= t->vocab_size)
+        return m3_fail(M3_ERR_CONFIG, "drafter mask token %d is outside the vocabulary of %d",
+                       d->mask_token, t->vocab_size);
+    for (int i = 0; i < d->n_taps; i++) {
+        if (d->taps[i] >= t->num_layers)
+            return m3_fail(M3_ERR_CONFIG, "drafter tap layer %d: the target has %d layers",
+                           d->taps[i], t->num_layers);
+        for (int j = 0; j < i; j++)
+            if (d->taps[j] == d->taps[i])
+                return m3_fail(M3_ERR_CONFIG, "drafter tap layer %d is listed twice",
+                               d->taps[i]);
+    }
+    if (a->num_q_heads % a->num_kv_heads)
+        return m3_fail(M3_ERR_CONFIG,
+                       "drafter num_attention_heads = %d is not a multiple of "
+                       "num_key_value_heads = %d",
+                       a->num_q_heads, a->num_kv_heads);
+    return M3_OK;
+}
+
+/* Layer i's tensors, under "layers.{i}.decoder_layer." (the release) or
+ * "layers.{i}.". */
+static m3_status bind_layer(const m3_binder *root, int i, const m3_draft_config *d, int F,
+                            m3_draft_layer *L) {
+    char pre[NAME_CAP], s[NAME_CAP];
+    snprintf(pre, sizeof pre, "%slayers.%d.decoder_layer.", root->prefix, i);
+    m3_binder b = {root->files, pre};
+    if (!m3_bind_find(&b, "input_layernorm.weight"))
+        snprintf(pre, sizeof pre, "%slayers.%d.", root->prefix, i);
+    const m3_config *a = &d->attn;
+    int64_t H = a->hidden_size, D = a->head_dim, Nq = a->num_q_heads, Nkv = a->num_kv_heads;
+    M3_TRY(m3_bind_plain(&b, "input_layernorm.weight", M3_DT_BF16, H, 0, &L->input_norm));
+    M3_TRY(m3_bind_plain(&b, "post_attention_layernorm.weight", M3_DT_BF16, H, 0, &L->post_norm));
+    M3_TRY(m3_bind_linear(&b, "self_attn.q_proj", Nq * D, H, &L->q_proj));
+    M3_TRY(m3_bind_linear(&b, "self_attn.k_proj", Nkv * D, H, &L->k_proj));
+    M3_TRY(m3_bind_linear(&b, "self_attn.v_proj", Nkv * D, H, &L->v_proj));
+    M3_TRY(m3_bind_linear(&b, "self_attn.o_proj", H, Nq * D, &L->o_proj));
+    M3_TRY(m3_bind_plain(&b, "self_attn.q_norm.weight", M3_DT_BF16, D, 0, &L->q_norm));
+    M3_TRY(m3_bind_plain(&b, "self_attn.k_norm.weight", M3_DT_BF16, D, 0, &L->k_norm));
+    snprintf(s, sizeof s, "mlp.gate_up_proj");
+    M3_TRY(m3_bind_gate_up(&b, "mlp.gate_proj", "mlp.up_proj", s, F, H, &L->gate, &L->up));
+    return m3_bind_linear(&b, "mlp.down_proj", H, F, &L->down);
+}
+
+/* The MLP width: dspark_ffn_hidden_size, else layer 0's gate rows. */
+static m3_status ffn_width(const m3_binder *b, const m3_draft_config *d, int *F) {
+    static const char *const names[] = {"layers.0.decoder_layer.mlp.gate_proj.weight",
+                                        "layers.0.mlp.gate_proj.weight",
+                                        "layers.0.decoder_layer.mlp.gate_up_proj.weight",
+                                        "layers.0.mlp.gate_up_proj.weight"};
+    for (int i = 0; i < 4; i++) {
+        const m3_st_entry *e = m3_bind_find(b, names[i]);
+        if (!e || e->ndim != 2)
+            continue;
+        int64_t rows = i < 2 ? e->shape[0] : e->shape[0] / 2;
+        if (d->ffn_dim && rows != d->ffn_dim)
+            return m3_fail(M3_ERR_FORMAT, "tensor %s has %lld rows; dspark_ffn_hidden_size is %d",
+                           e->name, (long long)e->shape[0], d->ffn_dim);
+        if (rows < 1 || rows > (1 << 20))
+            return m3_fail(M3_ERR_FORMAT, "tensor %s: an MLP width of %lld", e->name,
+                           (long long)rows);
+        *F = (int)rows;
+        return M3_OK;
+    }
+    return m3_fail(M3_ERR_FORMAT, "drafter checkpoint is missing %slayers.0.decoder_layer."
+                   "mlp.gate_proj.weight (or layers.0.mlp.gate_proj.weight)", b->prefix);
+}
+
+static const char *const prefixes[] = {"language_model.model.dspark.", "model.dspark.", "dspark.",
+                                       ""};
+
+static m3_status bind_drafter(m3_drafter *d) {
+    const m3_draft_config *c = &d->cfg;
+    m3_binder b = {d->files, NULL};
+    for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes && !b.prefix; i++) {
+        m3_binder probe = {d->files, prefixes[i]};
+        if (m3_bind_find(&probe, "fc.weight"))
+            b.prefix = prefixes[i];
+    }
+    if (!b.prefix)
+        return m3_fail(M3_ERR_FORMAT, "drafter checkpoint has no fc.weight (under "
+                       "language_model.model.dspark., model.dspark., dspark. or no prefix)");
+    if (c->markov_rank < 0) { /* not in config.json: markov_w1's columns, or no head */
+        const m3_st_entry *w1 = m3_bind_find(&b, "markov_head.markov_w1.weight");
+        d->cfg.markov_rank = w1 && w1->ndim == 2 && w1->shape[1] <= (1 << 16) ? (int)w1->shape[1]
+                                                                              : 0;
+    }
+    int64_t H = c->attn.hidden_size, V = c->vocab_size, r = c->markov_rank;
+    M3_TRY(m3_bind_linear(&b, "fc", H, c->n_taps * H, &d->fc));
+    M3_TRY(m3_bind_plain(&b, "hidden_norm.weight", M3_DT_BF16, H, 0, &d->hidden_norm));
+    const char *fin = m3_bind_find(&b, "final_norm.weight") ? "final_norm.weight" : "norm.weight";
+    M3_TRY(m3_bind_plain(&b, fin, M3_DT_BF16, H, 0, &d->final_norm));
+    if (r) {
+        M3_TRY(m3_bind_plain(&b, "markov_head.markov_w1.weight", M3_DT_BF16, V, r,
+                             &d->markov_w1));
+        M3_TRY(m3_bind_plain(&b, "markov_head.markov_w2.weight", M3_DT_BF16, V, r,
+                             &d->markov_w2));
+    }
+    M3_TRY(ffn_width(&b, c, &d->ffn_dim));
+    d->layers = calloc((size_t)c->attn.num_layers, sizeof *d->layers);
+    if (!d->layers)
+        return m3_fail(M3_ERR_NO_MEMORY, "out of memory binding the drafter's layers");
+    for (int i = 0; i < c->attn.num_layers; i++) {
+        m3_status st = bind_layer(&b, i, c, d->ffn_dim, &d->layers[i]);
+        if (st)
+            return m3_fail_context(st, "drafter layer %d", i);
+    }
+    return M3_OK;
+}
+
+m3_status m3_drafter_load(const char *dir, const m3_model *target, const m3_model_opts *opts,
+                          m3_drafter **out) {
+    if (out)
+        *out = NULL;
+    if (!dir || !dir[0] || !target || !out)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_drafter_load: a folder, a target model and an "
+                       "output are required");
+    m3_drafter *d = calloc(1, sizeof *d);
+    if (!d)
+        return m3_fail(M3_ERR_NO_MEMORY, "out of memory loading the drafter %s", dir);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    char *text = NULL;
+    size_t len = 0;
+    d->dir = m3_strdup(dir, "the drafter's path");
+    m3_status st = d->dir ? m3_read_text_file(path, 16u << 20, &text, &len) : M3_ERR_NO_MEMORY;
+    if (!st) {
+        st = m3_draft_config_parse(text, len, &d->cfg);
+        if (st)
+            m3_fail_context(st, "%s", path);
+    }
+    free(text);
+    if (!st)
+        st = check_against(&d->cfg, m3_model_config(target));
+    if (!st)
+        st = m3_st_open_dir(dir, opts && opts->progress, &d->files);
+    if (!st)
+        st = bind_drafter(d);
+    if (st) {
+        m3_fail_context(st, "loading the drafter %s", dir);
+        m3_drafter_free(d);
+        return st;
+    }
+    *out = d;
+    return M3_OK;
+}
+
+int m3_drafter_block(const m3_drafter *d) { return d ? d->cfg.block : 0; }
+
+void m3_drafter_free(m3_drafter *d) {
+    if (!d)
+        return;
+    m3_drafter_detach(d);
+    free(d->layers);
+    m3_st_close(d->files);
+    free(d->dir);
+    free(d);
+}
+
+/* ------------------------------------------------------------ attach */
+
+static m3_status alloc_run(m3_drafter *d, m3_backend *be) {
+    m3_draft_run *r = &d->run;
+    const m3_config *a = &d->cfg.attn;
+    size_t R = (size_t)r->rows, B = (size_t)d->cfg.block, H = (size_t)a->hidden_size;
+    size_t D = (size_t)a->head_dim, Nq = (size_t)a->num_q_heads, Nkv = (size_t)a->num_kv_heads;
+    size_t F = (size_t)d->ffn_dim, V = (size_t)d->cfg.vocab_size, L = (size_t)a->num_layers;
+    size_t page = (size_t)M3_PAGE_TOKENS * Nkv * D * 2;
+    r->k_cache = calloc(2 * L, sizeof *r->k_cache);
+    if (!r->k_cache)
+        return m3_fail(M3_ERR_NO_MEMORY, "out of memory for the drafter's cache table");
+    r->v_cache = r->k_cache + L;
+    for (size_t i = 0; i < L; i++) {
+        M3_TRY(be->ops->alloc(be, (size_t)r->n_pages * page, (void **)&r->k_cache[i]));
+        M3_TRY(be->ops->alloc(be, (size_t)r->n_pages * page, (void **)&r->v_cache[i]));
+    }
+    struct {
+        void **p;
+        size_t bytes;
+    } bufs[] = {
+        {(void **)&r->taps, R * d->cfg.n_taps * H * 2}, {(void **)&r->ctx_u, R * H * 2},
+        {(void **)&r->ctx_h, R * H * 2},    {(void **)&r->ctx_k, R * Nkv * D * 2},
+        {(void **)&r->ctx_v, R * Nkv * D * 2}, {(void **)&r->tokens, B * 4},
+        {(void **)&r->positions, B * 8},    {(void **)&r->hidden, B * H * 2},
+        {(void **)&r->residual, B * H * 2}, {(void **)&r->x, B * H * 2},
+        {(void **)&r->o, B * H * 2},        {(void **)&r->final, B * H * 2},
+        {(void **)&r->q, B * Nq * D * 2},   {(void **)&r->attn, B * Nq * D * 2},
+        {(void **)&r->k, B * Nkv * D * 2},  {(void **)&r->v, B * Nkv * D * 2},
+        {(void **)&r->gate, B * F * 2},     {(void **)&r->up, B * F * 2},
+        {(void **)&r->act, B * F * 2},      {(void **)&r->logits, B * V * 4},
+        {(void **)&r->w1_row, (size_t)(d->cfg.markov_rank + 1) * 2},
+        {(void **)&r->bias, V * 4},
+    };
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        M3_TRY(be->ops->alloc(be, bufs[i].bytes, bufs[i].p));
+    /* one head's scores over the context and the block, and its sums */
+    r->att_keys = ((int64_t)r->n_pages * M3_PAGE_TOKENS + (int64_t)B + 1) & ~(int64_t)1; /* even: the sums are doubles */
+    r->att_buf = malloc(((size_t)r->att_keys + ((2 * D + 1) & ~(size_t)1)) * sizeof(float) +
+                        D * sizeof(double));
+    if (!r->att_buf)
+        return m3_fail(M3_ERR_NO_MEMORY, "out of memory for the drafter's attention buffer");
+    return M3_OK;
+}
+
+m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
+    if (d->run.eng == e)
+        return M3_OK;
+    if (d->run.eng)
+        return m3_fail(M3_ERR_INVALID_ARG, "the drafter is bound to another engine");
+    if (e->ranks[0] || e->tp_size > 1)
+        return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) runs at TP 1 only "
+                       "so far; this engine has %d ranks", e->tp_size);
+    if (strcmp(e->be->ops->name, "cpu"))
+        return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) runs on the CPU "
+                       "backend only so far, not on %s", e->be->ops->name);
+    if (d->cfg.block + 1 > e->opts.max_rows)
+        return m3_fail(M3_ERR_INVALID_ARG, "the drafter's verify steps have %d rows; the "
+                       "engine's max_rows is %d", d->cfg.block + 1, e->opts.max_rows);
+    d->run.eng = e;
+    d->run.rows = e->opts.max_rows;
+    d->run.n_pages = e->cache.n_pages;
+    m3_status st = alloc_run(d, e->be);
+    if (!st)
+        st = m3_engine_set_taps(e, d->cfg.taps, d->cfg.n_taps);
+    if (st) {
+        m3_drafter_detach(d);
+        return st;
+    }
+    return M3_OK;
+}
+
+void m3_drafter_detach(m3_drafter *d) {
+    m3_draft_run *r = &d->run;
+    if (!r->eng)
+        return;
+    m3_backend *be = r->eng->be;
+    for (int i = 0; r->k_cache && i < 2 * d->cfg.attn.num_layers; i++)
+        if (r->k_cache[i])
+            be->ops->release(be, r->k_cache[i]);
+    free(r->k_cache);
+    void *bufs[] = {r->taps, r->ctx_u, r->ctx_h, r->ctx_k, r->ctx_v, r->tokens, r->positions,
+                    r->hidden, r->residual, r->x, r->o, r->final, r->q, r->attn, r->k, r->v,
+                    r->gate, r->up, r->act, r->logits, r->w1_row, r->bias};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        if (bufs[i])
+            be->ops->release(be, bufs[i]);
+    free(r->att_buf);
+    m3_engine_set_taps(r->eng, NULL, 0);
+    memset(r, 0, sizeof *r);
+}

@@ -1,0 +1,80 @@
+/*
+ * The DSpark drafter (SPEC §7, docs/DSPARK.md) inside the library: its
+ * config and weight views (drafter.c loads and checks them against the
+ * target), its paged context cache and activations in the target engine's
+ * backend (bound to one engine by m3_drafter_attach), and its two passes
+ * (draft_forward.c): the context, extended with the rows the target kept,
+ * and the draft step of B rows with the Markov head.
+ *
+ * speculate.c drives any proposer through the verify loop; the drafter is
+ * the product's proposer, tests plug in others.
+ */
+#ifndef M3_SPEC_DRAFTER_H
+#define M3_SPEC_DRAFTER_H
+
+#include "decode/engine.h"
+#include "model/config_json.h"
+
+/* Shapes: H hidden (the target's), D head_dim, Nq/Nkv query/KV heads, F the
+ * MLP width, k taps, V vocabulary, r Markov rank, B block rows. */
+typedef struct m3_draft_layer {
+    m3_tensor input_norm, post_norm; /* [H] bf16 */
+    m3_linear q_proj;                /* [Nq*D, H] */
+    m3_linear k_proj, v_proj;        /* [Nkv*D, H] */
+    m3_linear o_proj;                /* [H, Nq*D] */
+    m3_tensor q_norm, k_norm;        /* [D] bf16 */
+    m3_linear gate, up;              /* [F, H] */
+    m3_linear down;                  /* [H, F] */
+} m3_draft_layer;
+
+/* Activations and caches in the bound engine's backend memory; R = the
+ * engine's rows per step. */
+typedef struct m3_draft_run {
+    m3_engine *eng;                  /* bound engine (NULL: not bound) */
+    int rows;                        /* R */
+    int64_t n_pages;                 /* the engine's page pool */
+    uint16_t **k_cache, **v_cache;   /* [layers] x [pages, Nkv, 128, D] */
+    uint16_t *taps;                  /* [R, k*H] */
+    uint16_t *ctx_u, *ctx_h;         /* [R, H]: fc output, its norm */
+    uint16_t *ctx_k, *ctx_v;         /* [R, Nkv*D] */
+    int32_t *tokens;                 /* [B] */
+    int64_t *positions;              /* [B] */
+    uint16_t *hidden, *residual, *x, *o, *final; /* [B, H] */
+    uint16_t *q, *attn;              /* [B, Nq*D] */
+    uint16_t *k, *v;                 /* [B, Nkv*D] */
+    uint16_t *gate, *up, *act;       /* [B, F] */
+    float *logits;                   /* [B, V] */
+    uint16_t *w1_row;                /* [r] */
+    float *bias;                     /* [V] */
+    float *att_buf;                  /* host: one head's scores [att_keys], its key / value
+                                      * row and query [2, D] floats, its sums [D] doubles */
+    int64_t att_keys;                /* the most keys a row can see */
+} m3_draft_run;
+
+struct m3_drafter {
+    m3_draft_config cfg;  /* cfg.attn: the draft layers' shapes */
+    int ffn_dim;          /* F */
+    m3_st_set *files;
+    char *dir;
+    m3_linear fc;                    /* [H, k*H] */
+    m3_tensor hidden_norm, final_norm; /* [H] bf16 */
+    m3_tensor markov_w1, markov_w2;  /* [V, r] bf16 (r > 0) */
+    m3_draft_layer *layers;          /* [cfg.attn.num_layers] */
+    m3_draft_run run;
+};
+
+/* Bind d's runtime to engine e (allocating its cache and activations in
+ * e's backend) and switch e's layer taps on; checks that e can run it. */
+m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e);
+void m3_drafter_detach(m3_drafter *d);
+
+/* The target step just run on the bound engine kept its first `rows` rows:
+ * their taps become context K/V at their positions (draft_forward.c). */
+m3_status m3_drafter_extend(m3_drafter *d, int rows);
+/* The draft step for seq: anchor token at position p (context 0..p-1):
+ * drafts[B] and, when logits is non-NULL, the rows' logits with the
+ * Markov bias [B, V] (draft_forward.c). */
+m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t anchor,
+                             int32_t *drafts, float *logits);
+
+#endif
