@@ -140,6 +140,19 @@ typedef struct m3_backend_ops {
                            float scale, uint16_t *out);
 
     /* out = bf16(swiglu_oai(gate, up)) elementwise over n values. */
+    /* The DSpark drafter's attention (docs/DSPARK.md; NULL: the backend
+     * has none): query rows q [rows, q_heads, dim] at positions p + t, each
+     * over the context keys of kcache / vcache (the drafter's paged cache,
+     * [pages, kv_heads, 128, dim], block table `pages`) at positions
+     * [max(0, p + t - window + 1) with a window, else 0, p), then over every
+     * row's block key bk / value bv [rows, kv_heads, dim], in that order;
+     * softmax as attention's; out [rows, q_heads, dim] bf16 per head. */
+    m3_status (*draft_attention)(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
+                                 const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
+                                 const uint16_t *kcache, const uint16_t *vcache,
+                                 const int32_t *pages, int64_t p, int64_t window, float scale,
+                                 uint16_t *out);
+
     m3_status (*swiglu)(m3_backend *be, int64_t n, const uint16_t *gate, const uint16_t *up,
                         const m3_swiglu *act, uint16_t *out);
 

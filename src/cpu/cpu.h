@@ -141,6 +141,13 @@ m3_status m3_cpu_cache_write(m3_backend *be, int rows, const int64_t *slots, int
 m3_status m3_cpu_moe(m3_backend *be, int rows, const uint16_t *x, const m3_layer_weights *lw,
                      const m3_moe_params *p, uint16_t *out);
 
+/* backend op draft_attention (cpu_draft.c) */
+m3_status m3_cpu_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
+                                 const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
+                                 const uint16_t *kcache, const uint16_t *vcache,
+                                 const int32_t *pages, int64_t p, int64_t window, float scale,
+                                 uint16_t *out);
+
 static inline m3_cpu *m3_cpu_of(m3_backend *be) { return (m3_cpu *)be->impl; }
 
 #endif

@@ -256,6 +256,7 @@ static const m3_backend_ops cpu_ops = {
     .index_scores = m3_cpu_index_scores,
     .select_blocks = m3_cpu_select_blocks,
     .attention = m3_cpu_attention,
+    .draft_attention = m3_cpu_draft_attention,
     .swiglu = m3_cpu_swiglu,
     .moe = m3_cpu_moe,
 };

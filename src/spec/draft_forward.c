@@ -5,9 +5,8 @@
  * hidden norm and each draft layer's k/v projections into its paged cache)
  * and the draft step (B rows of the anchor and mask tokens through the
  * draft layers, the target's lm_head, then the Markov head row by row).
- * The attention is the drafter's own: non-causal over [context | block],
- * optionally windowed; it runs on the host, which is why attach asks for
- * the CPU backend.
+ * The attention is the backend's draft_attention op: non-causal over
+ * [context | block], optionally windowed.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -15,7 +14,6 @@
 
 #include "core/bf16.h"
 #include "core/status.h"
-#include "cpu/cpu.h"
 #include "spec/drafter.h"
 
 m3_status m3_drafter_extend(m3_drafter *d, int rows) {
@@ -55,84 +53,9 @@ m3_status m3_drafter_extend(m3_drafter *d, int rows) {
     return M3_OK;
 }
 
-/* Softmax attention of one query head q (fp32) over n keys given as bf16
- * rows by key(i) / val(i), the target's arithmetic (cpu_attention.c):
- * fp32 scores, their exp summed in double, p = e / sum, out = sum p v in
- * double rounded once to bf16. */
-typedef struct key_src {
-    const m3_drafter *d;
-    const int32_t *pages; /* the sequence's block table */
-    int layer, g;         /* draft layer, KV head */
-    int64_t ctx_lo, ctx_n;/* context positions [ctx_lo, ctx_lo + ctx_n) */
-} key_src;
-
-static const uint16_t *key_row(const key_src *k, int64_t i, bool value) {
-    const m3_draft_run *r = &k->d->run;
-    const m3_config *a = &k->d->cfg.attn;
-    int D = a->head_dim, Nkv = a->num_kv_heads;
-    if (i < k->ctx_n) {
-        int64_t pos = k->ctx_lo + i;
-        const uint16_t *cache = value ? r->v_cache[k->layer] : r->k_cache[k->layer];
-        return cache + m3_cache_offset(k->pages[pos / M3_PAGE_TOKENS], pos % M3_PAGE_TOKENS,
-                                       Nkv, k->g, D);
-    }
-    const uint16_t *blk = value ? r->v : r->k;
-    return blk + (size_t)(i - k->ctx_n) * Nkv * D + (size_t)k->g * D;
-}
-
-static void attend(const key_src *k, int64_t n, const float *q, float scale, uint16_t *out) {
-    const m3_draft_run *r = &k->d->run;
-    int D = k->d->cfg.attn.head_dim;
-    float *s = r->att_buf, *kv = s + r->att_keys; /* q sits past kv (draft_attention) */
-    double *acc = (double *)(kv + ((2 * D + 1) & ~1));
-    float m = -INFINITY;
-    for (int64_t i = 0; i < n; i++) {
-        m3_bf16_row_to_f32(key_row(k, i, false), kv, D);
-        s[i] = m3_dot_f32(q, kv, D) * scale;
-        m = fmaxf(m, s[i]);
-    }
-    double sum_d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        s[i] = m3_exp_f32(s[i] - m);
-        sum_d += s[i];
-    }
-    float sum = (float)sum_d;
-    memset(acc, 0, (size_t)D * sizeof *acc);
-    for (int64_t i = 0; i < n; i++) {
-        float p = s[i] / sum;
-        m3_bf16_row_to_f32(key_row(k, i, true), kv, D);
-        for (int t = 0; t < D; t++)
-            acc[t] += (double)p * (double)kv[t];
-    }
-    for (int t = 0; t < D; t++)
-        out[t] = m3_f32_to_bf16((float)acc[t]);
-}
-
-/* Every block row's query heads over [context | block] (docs/DSPARK.md). */
-static void draft_attention(m3_drafter *d, const int32_t *pages, int64_t p, int layer) {
-    m3_draft_run *r = &d->run;
-    const m3_config *a = &d->cfg.attn;
-    int B = d->cfg.block, D = a->head_dim, Nq = a->num_q_heads, Nkv = a->num_kv_heads;
-    int group = Nq / Nkv;
-    float scale = (float)(1.0 / sqrt((double)D));
-    float *q = r->att_buf + r->att_keys + D; /* past the scores and kv (attend) */
-    for (int j = 0; j < B; j++) {
-        int64_t lo = 0;
-        if (d->cfg.window && p + j - d->cfg.window + 1 > 0)
-            lo = p + j - d->cfg.window + 1;
-        if (lo > p)
-            lo = p;
-        for (int h = 0; h < Nq; h++) {
-            key_src k = {d, pages, layer, h / group, lo, p - lo};
-            m3_bf16_row_to_f32(r->q + ((size_t)j * Nq + h) * D, q, D);
-            attend(&k, k.ctx_n + B, q, scale, r->attn + ((size_t)j * Nq + h) * D);
-        }
-    }
-}
-
 /* The B rows through the draft layers and the target's final head:
  * r->logits [B, V] (backend memory), before the Markov bias. */
-static m3_status draft_rows(m3_drafter *d, const int32_t *pages, int64_t p) {
+static m3_status draft_rows(m3_drafter *d, int64_t p) {
     m3_draft_run *r = &d->run;
     m3_engine *e = r->eng;
     const m3_backend_ops *op = e->be->ops;
@@ -155,7 +78,9 @@ static m3_status draft_rows(m3_drafter *d, const int32_t *pages, int64_t p) {
                                   r->positions, &rope));
         M3_TRY(op->head_norm_rope(be, B, Nkv, D, r->k, (int64_t)Nkv * D, &L->k_norm, eps,
                                   r->positions, &rope));
-        draft_attention(d, pages, p, i);
+        M3_TRY(op->draft_attention(be, B, Nq, Nkv, D, r->q, r->k, r->v, r->k_cache[i],
+                                   r->v_cache[i], r->pages, p, d->cfg.window,
+                                   (float)(1.0 / sqrt((double)D)), r->attn));
         M3_TRY(op->linear(be, B, r->attn, &L->o_proj, M3_DT_BF16, r->o));
         M3_TRY(op->add_rmsnorm(be, B, H, r->o, r->residual, &L->post_norm, eps, r->x));
         M3_TRY(op->linear(be, B, r->x, &L->gate, M3_DT_BF16, r->gate));
@@ -202,7 +127,8 @@ m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t ancho
     }
     M3_TRY(op->upload(be, r->tokens, tokens, (size_t)B * sizeof *tokens));
     M3_TRY(op->upload(be, r->positions, positions, (size_t)B * sizeof *positions));
-    M3_TRY(draft_rows(d, ss->pages, p));
+    M3_TRY(op->upload(be, r->pages, ss->pages, (size_t)ss->n_blocks * sizeof *ss->pages));
+    M3_TRY(draft_rows(d, p));
     float *host = logits ? logits : malloc((size_t)B * V * sizeof *host);
     float *bias = malloc((size_t)V * sizeof *bias);
     m3_status st = host && bias ? M3_OK : m3_fail(M3_ERR_NO_MEMORY, "out of memory for drafts");

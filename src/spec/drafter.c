@@ -216,16 +216,10 @@ static m3_status alloc_run(m3_drafter *d, m3_backend *be) {
         {(void **)&r->gate, B * F * 2},     {(void **)&r->up, B * F * 2},
         {(void **)&r->act, B * F * 2},      {(void **)&r->logits, B * V * 4},
         {(void **)&r->w1_row, (size_t)(d->cfg.markov_rank + 1) * 2},
-        {(void **)&r->bias, V * 4},
+        {(void **)&r->bias, V * 4}, {(void **)&r->pages, (size_t)r->max_blocks * 4},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         M3_TRY(be->ops->alloc(be, bufs[i].bytes, bufs[i].p));
-    /* one head's scores over the context and the block, and its sums */
-    r->att_keys = ((int64_t)r->n_pages * M3_PAGE_TOKENS + (int64_t)B + 1) & ~(int64_t)1; /* even: the sums are doubles */
-    r->att_buf = malloc(((size_t)r->att_keys + ((2 * D + 1) & ~(size_t)1)) * sizeof(float) +
-                        D * sizeof(double));
-    if (!r->att_buf)
-        return m3_fail(M3_ERR_NO_MEMORY, "out of memory for the drafter's attention buffer");
     return M3_OK;
 }
 
@@ -237,15 +231,17 @@ m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
     if (e->ranks[0] || e->tp_size > 1)
         return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) runs at TP 1 only "
                        "so far; this engine has %d ranks", e->tp_size);
-    if (strcmp(e->be->ops->name, "cpu"))
-        return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) runs on the CPU "
-                       "backend only so far, not on %s", e->be->ops->name);
+    if (!e->be->ops->draft_attention)
+        return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) needs the drafter's "
+                       "attention, which the %s backend does not have yet (the CPU's does)",
+                       e->be->ops->name);
     if (d->cfg.block + 1 > e->opts.max_rows)
         return m3_fail(M3_ERR_INVALID_ARG, "the drafter's verify steps have %d rows; the "
                        "engine's max_rows is %d", d->cfg.block + 1, e->opts.max_rows);
     d->run.eng = e;
     d->run.rows = e->opts.max_rows;
     d->run.n_pages = e->cache.n_pages;
+    d->run.max_blocks = e->cache.max_blocks;
     m3_status st = alloc_run(d, e->be);
     if (!st)
         st = m3_engine_set_taps(e, d->cfg.taps, d->cfg.n_taps);
@@ -267,11 +263,10 @@ void m3_drafter_detach(m3_drafter *d) {
     free(r->k_cache);
     void *bufs[] = {r->taps, r->ctx_u, r->ctx_h, r->ctx_k, r->ctx_v, r->tokens, r->positions,
                     r->hidden, r->residual, r->x, r->o, r->final, r->q, r->attn, r->k, r->v,
-                    r->gate, r->up, r->act, r->logits, r->w1_row, r->bias};
+                    r->gate, r->up, r->act, r->logits, r->w1_row, r->bias, r->pages};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         if (bufs[i])
             be->ops->release(be, bufs[i]);
-    free(r->att_buf);
     m3_engine_set_taps(r->eng, NULL, 0);
     memset(r, 0, sizeof *r);
 }

@@ -4,7 +4,8 @@
  * target), its paged context cache and activations in the target engine's
  * backend (bound to one engine by m3_drafter_attach), and its two passes
  * (draft_forward.c): the context, extended with the rows the target kept,
- * and the draft step of B rows with the Markov head.
+ * and the draft step of B rows with the Markov head (its attention: the
+ * backend op draft_attention).
  *
  * speculate.c drives any proposer through the verify loop; the drafter is
  * the product's proposer, tests plug in others.
@@ -33,6 +34,7 @@ typedef struct m3_draft_run {
     m3_engine *eng;                  /* bound engine (NULL: not bound) */
     int rows;                        /* R */
     int64_t n_pages;                 /* the engine's page pool */
+    int max_blocks;                  /* its block table width */
     uint16_t **k_cache, **v_cache;   /* [layers] x [pages, Nkv, 128, D] */
     uint16_t *taps;                  /* [R, k*H] */
     uint16_t *ctx_u, *ctx_h;         /* [R, H]: fc output, its norm */
@@ -46,9 +48,7 @@ typedef struct m3_draft_run {
     float *logits;                   /* [B, V] */
     uint16_t *w1_row;                /* [r] */
     float *bias;                     /* [V] */
-    float *att_buf;                  /* host: one head's scores [att_keys], its key / value
-                                      * row and query [2, D] floats, its sums [D] doubles */
-    int64_t att_keys;                /* the most keys a row can see */
+    int32_t *pages;                  /* [max_blocks]: the draft step's block table */
 } m3_draft_run;
 
 struct m3_drafter {
