@@ -59,6 +59,9 @@ typedef struct m3_moe_params {
 
 typedef struct m3_backend_ops {
     const char *name;
+    /* The backend's memory is the host's (the CPU): weights stay views of
+     * the mapped files, and host code may read activations directly. */
+    bool host_memory;
     void (*destroy)(m3_backend *be);
 
     /* ---- memory ---- */

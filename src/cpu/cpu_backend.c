@@ -238,6 +238,7 @@ static void cpu_destroy(m3_backend *be) {
 
 static const m3_backend_ops cpu_ops = {
     .name = "cpu",
+    .host_memory = true,
     .destroy = cpu_destroy,
     .alloc = cpu_alloc,
     .release = cpu_release,

@@ -348,6 +348,7 @@ static const m3_backend_ops cuda_ops = {
     .index_scores = m3_cuda_index_scores,
     .select_blocks = m3_cuda_select_blocks,
     .attention = m3_cuda_attention,
+    .draft_attention = m3_cuda_draft_attention,
     .swiglu = m3_cuda_swiglu,
     .moe = m3_cuda_moe,
     .graph_begin = cuda_graph_begin,

@@ -135,6 +135,12 @@ m3_status m3_cuda_attention(m3_backend *be, const m3_step *step, int q_heads, in
                             int dim, const uint16_t *q, const uint16_t *kcache,
                             const uint16_t *vcache, const int32_t *selected, int topk,
                             float scale, uint16_t *out);
+/* cuda_draft.cu */
+m3_status m3_cuda_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
+                                  const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
+                                  const uint16_t *kcache, const uint16_t *vcache,
+                                  const int32_t *pages, int64_t p, int64_t window, float scale,
+                                  uint16_t *out);
 /* cuda_linear.cu */
 m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x, const m3_linear *w,
                          m3_dtype out_dtype, void *out);

@@ -36,11 +36,11 @@ m3_status m3_drafter_extend(m3_drafter *d, int rows) {
     int H = a->hidden_size, D = a->head_dim, Nkv = a->num_kv_heads;
     m3_rope rope = {a->rotary_dim, a->rope_theta};
     M3_TRY(op->upload(be, r->taps, e->tap_host, (size_t)rows * d->cfg.n_taps * H * 2));
-    M3_TRY(op->linear(be, rows, r->taps, &d->fc, M3_DT_BF16, r->ctx_u));
-    M3_TRY(op->add_rmsnorm(be, rows, H, NULL, r->ctx_u, &d->hidden_norm, a->rms_norm_eps,
+    M3_TRY(op->linear(be, rows, r->taps, &d->bw.fc, M3_DT_BF16, r->ctx_u));
+    M3_TRY(op->add_rmsnorm(be, rows, H, NULL, r->ctx_u, &d->bw.hidden_norm, a->rms_norm_eps,
                            r->ctx_h));
     for (int i = 0; i < a->num_layers; i++) {
-        const m3_draft_layer *L = &d->layers[i];
+        const m3_draft_layer *L = &d->bw.layers[i];
         M3_TRY(op->linear(be, rows, r->ctx_h, &L->k_proj, M3_DT_BF16, r->ctx_k));
         M3_TRY(op->linear(be, rows, r->ctx_h, &L->v_proj, M3_DT_BF16, r->ctx_v));
         M3_TRY(op->head_norm_rope(be, rows, Nkv, D, r->ctx_k, (int64_t)Nkv * D, &L->k_norm,
@@ -68,7 +68,7 @@ static m3_status draft_rows(m3_drafter *d, int64_t p) {
     m3_swiglu act = {a->swiglu_alpha, a->swiglu_limit};
     M3_TRY(op->embed(be, B, r->tokens, &e->w.embed, 0, r->residual));
     for (int i = 0; i < a->num_layers; i++) {
-        const m3_draft_layer *L = &d->layers[i];
+        const m3_draft_layer *L = &d->bw.layers[i];
         M3_TRY(op->add_rmsnorm(be, B, H, i ? r->hidden : NULL, r->residual, &L->input_norm, eps,
                                r->x));
         M3_TRY(op->linear(be, B, r->x, &L->q_proj, M3_DT_BF16, r->q));
@@ -88,7 +88,7 @@ static m3_status draft_rows(m3_drafter *d, int64_t p) {
         M3_TRY(op->swiglu(be, (int64_t)B * d->ffn_dim, r->gate, r->up, &act, r->act));
         M3_TRY(op->linear(be, B, r->act, &L->down, M3_DT_BF16, r->hidden));
     }
-    M3_TRY(op->add_rmsnorm(be, B, H, r->hidden, r->residual, &d->final_norm, eps, r->final));
+    M3_TRY(op->add_rmsnorm(be, B, H, r->hidden, r->residual, &d->bw.final_norm, eps, r->final));
     m3_linear head = {e->w.lm_head, {0}, 0, 0};
     return op->linear(be, B, r->final, &head, M3_DT_F32, r->logits);
 }
@@ -134,12 +134,12 @@ m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t ancho
     m3_status st = host && bias ? M3_OK : m3_fail(M3_ERR_NO_MEMORY, "out of memory for drafts");
     if (!st)
         st = op->download(be, host, r->logits, (size_t)B * V * sizeof *host);
-    m3_linear w2 = {d->markov_w2, {0}, 0, 0};
+    m3_linear w2 = {d->bw.markov_w2, {0}, 0, 0};
     for (int j = 0; j < B && !st; j++) {
         float *row = host + (size_t)j * V;
         int32_t prev = j ? drafts[j - 1] : anchor;
         if (R) { /* row j += W2 . W1[prev] (fp32) */
-            const uint16_t *w1 = (const uint16_t *)d->markov_w1.data + (size_t)prev * R;
+            const uint16_t *w1 = (const uint16_t *)d->w.markov_w1.data + (size_t)prev * R;
             st = op->upload(be, r->w1_row, w1, (size_t)R * 2);
             if (!st)
                 st = op->linear(be, 1, r->w1_row, &w2, M3_DT_F32, r->bias);

@@ -113,22 +113,22 @@ static m3_status bind_drafter(m3_drafter *d) {
                                                                               : 0;
     }
     int64_t H = c->attn.hidden_size, V = c->vocab_size, r = c->markov_rank;
-    M3_TRY(m3_bind_linear(&b, "fc", H, c->n_taps * H, &d->fc));
-    M3_TRY(m3_bind_plain(&b, "hidden_norm.weight", M3_DT_BF16, H, 0, &d->hidden_norm));
+    M3_TRY(m3_bind_linear(&b, "fc", H, c->n_taps * H, &d->w.fc));
+    M3_TRY(m3_bind_plain(&b, "hidden_norm.weight", M3_DT_BF16, H, 0, &d->w.hidden_norm));
     const char *fin = m3_bind_find(&b, "final_norm.weight") ? "final_norm.weight" : "norm.weight";
-    M3_TRY(m3_bind_plain(&b, fin, M3_DT_BF16, H, 0, &d->final_norm));
+    M3_TRY(m3_bind_plain(&b, fin, M3_DT_BF16, H, 0, &d->w.final_norm));
     if (r) {
         M3_TRY(m3_bind_plain(&b, "markov_head.markov_w1.weight", M3_DT_BF16, V, r,
-                             &d->markov_w1));
+                             &d->w.markov_w1));
         M3_TRY(m3_bind_plain(&b, "markov_head.markov_w2.weight", M3_DT_BF16, V, r,
-                             &d->markov_w2));
+                             &d->w.markov_w2));
     }
     M3_TRY(ffn_width(&b, c, &d->ffn_dim));
-    d->layers = calloc((size_t)c->attn.num_layers, sizeof *d->layers);
-    if (!d->layers)
+    d->w.layers = calloc((size_t)c->attn.num_layers, sizeof *d->w.layers);
+    if (!d->w.layers)
         return m3_fail(M3_ERR_NO_MEMORY, "out of memory binding the drafter's layers");
     for (int i = 0; i < c->attn.num_layers; i++) {
-        m3_status st = bind_layer(&b, i, c, d->ffn_dim, &d->layers[i]);
+        m3_status st = bind_layer(&b, i, c, d->ffn_dim, &d->w.layers[i]);
         if (st)
             return m3_fail_context(st, "drafter layer %d", i);
     }
@@ -178,7 +178,7 @@ void m3_drafter_free(m3_drafter *d) {
     if (!d)
         return;
     m3_drafter_detach(d);
-    free(d->layers);
+    free(d->w.layers);
     m3_st_close(d->files);
     free(d->dir);
     free(d);
@@ -223,6 +223,58 @@ static m3_status alloc_run(m3_drafter *d, m3_backend *be) {
     return M3_OK;
 }
 
+/* One tensor where the backend reads it: the view itself on a host-memory
+ * backend, else a copy (dense, as the views are). */
+static m3_status place_tensor(m3_drafter *d, m3_backend *be, const m3_tensor *h, m3_tensor *out) {
+    *out = *h;
+    if (!h->data || be->ops->host_memory)
+        return M3_OK;
+    size_t bytes = (size_t)h->ne[0] * (size_t)h->nb[0];
+    void **owned = realloc(d->owned, (size_t)(d->n_owned + 1) * sizeof *owned);
+    if (!owned)
+        return m3_fail(M3_ERR_NO_MEMORY, "out of memory placing the drafter's weights");
+    d->owned = owned;
+    M3_TRY(be->ops->alloc(be, bytes, &out->data));
+    d->owned[d->n_owned++] = out->data;
+    return be->ops->upload(be, out->data, h->data, bytes);
+}
+
+static m3_status place_linear(m3_drafter *d, m3_backend *be, const m3_linear *h, m3_linear *out) {
+    *out = *h;
+    M3_TRY(place_tensor(d, be, &h->w, &out->w));
+    return place_tensor(d, be, &h->scale, &out->scale);
+}
+
+static m3_status place_weights(m3_drafter *d, m3_backend *be) {
+    const m3_draft_weights *h = &d->w;
+    m3_draft_weights *b = &d->bw;
+    int L = d->cfg.attn.num_layers;
+    *b = *h;
+    b->layers = calloc((size_t)L, sizeof *b->layers);
+    if (!b->layers)
+        return m3_fail(M3_ERR_NO_MEMORY, "out of memory placing the drafter's layers");
+    M3_TRY(place_linear(d, be, &h->fc, &b->fc));
+    M3_TRY(place_tensor(d, be, &h->hidden_norm, &b->hidden_norm));
+    M3_TRY(place_tensor(d, be, &h->final_norm, &b->final_norm));
+    M3_TRY(place_tensor(d, be, &h->markov_w2, &b->markov_w2));
+    for (int i = 0; i < L; i++) {
+        const m3_draft_layer *hl = &h->layers[i];
+        m3_draft_layer *bl = &b->layers[i];
+        M3_TRY(place_tensor(d, be, &hl->input_norm, &bl->input_norm));
+        M3_TRY(place_tensor(d, be, &hl->post_norm, &bl->post_norm));
+        M3_TRY(place_linear(d, be, &hl->q_proj, &bl->q_proj));
+        M3_TRY(place_linear(d, be, &hl->k_proj, &bl->k_proj));
+        M3_TRY(place_linear(d, be, &hl->v_proj, &bl->v_proj));
+        M3_TRY(place_linear(d, be, &hl->o_proj, &bl->o_proj));
+        M3_TRY(place_tensor(d, be, &hl->q_norm, &bl->q_norm));
+        M3_TRY(place_tensor(d, be, &hl->k_norm, &bl->k_norm));
+        M3_TRY(place_linear(d, be, &hl->gate, &bl->gate));
+        M3_TRY(place_linear(d, be, &hl->up, &bl->up));
+        M3_TRY(place_linear(d, be, &hl->down, &bl->down));
+    }
+    return M3_OK;
+}
+
 m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
     if (d->run.eng == e)
         return M3_OK;
@@ -242,7 +294,9 @@ m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
     d->run.rows = e->opts.max_rows;
     d->run.n_pages = e->cache.n_pages;
     d->run.max_blocks = e->cache.max_blocks;
-    m3_status st = alloc_run(d, e->be);
+    m3_status st = place_weights(d, e->be);
+    if (!st)
+        st = alloc_run(d, e->be);
     if (!st)
         st = m3_engine_set_taps(e, d->cfg.taps, d->cfg.n_taps);
     if (st) {
@@ -261,6 +315,13 @@ void m3_drafter_detach(m3_drafter *d) {
         if (r->k_cache[i])
             be->ops->release(be, r->k_cache[i]);
     free(r->k_cache);
+    for (int i = 0; i < d->n_owned; i++)
+        be->ops->release(be, d->owned[i]);
+    free(d->owned);
+    d->owned = NULL;
+    d->n_owned = 0;
+    free(d->bw.layers);
+    memset(&d->bw, 0, sizeof d->bw);
     void *bufs[] = {r->taps, r->ctx_u, r->ctx_h, r->ctx_k, r->ctx_v, r->tokens, r->positions,
                     r->hidden, r->residual, r->x, r->o, r->final, r->q, r->attn, r->k, r->v,
                     r->gate, r->up, r->act, r->logits, r->w1_row, r->bias, r->pages};

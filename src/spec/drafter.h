@@ -28,6 +28,15 @@ typedef struct m3_draft_layer {
     m3_linear down;                  /* [H, F] */
 } m3_draft_layer;
 
+/* Every weight of a drafter (the Markov head's W1 is read by rows on the
+ * host: only its host view is used). */
+typedef struct m3_draft_weights {
+    m3_linear fc;                    /* [H, k*H] */
+    m3_tensor hidden_norm, final_norm; /* [H] bf16 */
+    m3_tensor markov_w1, markov_w2;  /* [V, r] bf16 (r > 0) */
+    m3_draft_layer *layers;          /* [cfg.attn.num_layers] */
+} m3_draft_weights;
+
 /* Activations and caches in the bound engine's backend memory; R = the
  * engine's rows per step. */
 typedef struct m3_draft_run {
@@ -56,10 +65,11 @@ struct m3_drafter {
     int ffn_dim;          /* F */
     m3_st_set *files;
     char *dir;
-    m3_linear fc;                    /* [H, k*H] */
-    m3_tensor hidden_norm, final_norm; /* [H] bf16 */
-    m3_tensor markov_w1, markov_w2;  /* [V, r] bf16 (r > 0) */
-    m3_draft_layer *layers;          /* [cfg.attn.num_layers] */
+    m3_draft_weights w;   /* views of the files */
+    m3_draft_weights bw;  /* the bound backend's: w itself on a host-memory
+                           * backend, else copies in its memory */
+    void **owned;         /* [n_owned]: the copies' allocations */
+    int n_owned;
     m3_draft_run run;
 };
 
