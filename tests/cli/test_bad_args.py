@@ -492,6 +492,60 @@ def synth_out_read_only_dir():
         os.chmod(parent, 0o755)
 
 
+# ------------------------------------------------------------------ speculative decoding
+
+@case
+def gen_dump_draft_logits_without_draft():
+    expect_fail(gen_args(H.GOOD, "--dump-draft-logits", os.path.join(H.WORK, "x.npy")),
+                ["--dump-draft-logits needs --draft"], rc=2)
+
+
+@case
+def gen_draft_missing_folder():
+    missing = os.path.join(H.WORK, "cases", "no_drafter_here")
+    expect_fail(gen_args(H.GOOD, "--draft", missing), [missing, "config.json"], rc=1)
+
+
+@case
+def gen_draft_not_a_drafter():
+    # a target checkpoint is not a drafter: no DSpark keys in its config
+    expect_fail(gen_args(H.GOOD, "--draft", H.GOOD), ["not a DSpark drafter"], rc=1)
+
+
+@case
+def gen_draft_max_rows_too_small():
+    d = synth_out("gen_draft_max_rows_too_small")
+    run_m3(["synth", "--draft-for", H.GOOD, "--out", d, "--layers", "1"])
+    expect_fail(gen_args(H.GOOD, "--draft", d, "--max-rows", "4"), ["max_rows is 4"], rc=1)
+
+
+@case
+def synth_draft_block_without_draft_for():
+    expect_fail(["synth", "--preset", "tiny", "--draft-block", "3", "--out",
+                 synth_out("synth_draft_block_without_draft_for")],
+                ["--draft-block and --draft-window need --draft-for"], rc=2)
+
+
+@case
+def synth_draft_block_out_of_range():
+    expect_fail(["synth", "--draft-for", H.GOOD, "--draft-block", "16", "--out",
+                 synth_out("synth_draft_block_out_of_range")], ["--draft-block", "16"], rc=2)
+
+
+@case
+def synth_draft_window_below_block():
+    expect_fail(["synth", "--draft-for", H.GOOD, "--draft-window", "3", "--out",
+                 synth_out("synth_draft_window_below_block")],
+                ["window of 3 keys is smaller than the block of 7"], rc=1)
+
+
+@case
+def synth_draft_for_missing_target():
+    missing = os.path.join(H.WORK, "cases", "no_target_here")
+    expect_fail(["synth", "--draft-for", missing, "--out",
+                 synth_out("synth_draft_for_missing_target")], [missing], rc=1)
+
+
 # ================================================================== main
 
 
