@@ -329,9 +329,10 @@ typedef struct m3_spec_stats {
 void m3_spec_stats_free(m3_spec_stats *s);
 
 /* m3_generate with the drafter proposing and the target verifying (greedy
- * only: a temperature above 0 is refused). The engine must be TP 1 on the
- * CPU backend for now, with max_rows >= B + 1; its steps then run stock and
- * eagerly. stats may be NULL. */
+ * only: a temperature above 0 is refused). The engine's max_rows must hold
+ * B + 1 rows; on GPUs it must be TP 1 for now (the CPU runs any TP, the
+ * drafter whole on rank 0). Its steps then run stock and eagerly. stats
+ * may be NULL. */
 m3_status m3_generate_speculative(m3_engine *eng, m3_drafter *d, const int32_t *prompt,
                                   int n_prompt, const m3_gen_opts *opts, m3_gen_result *out,
                                   m3_spec_stats *stats);

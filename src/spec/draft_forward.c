@@ -66,7 +66,7 @@ static m3_status draft_rows(m3_drafter *d, int64_t p) {
     float eps = a->rms_norm_eps;
     m3_rope rope = {a->rotary_dim, a->rope_theta};
     m3_swiglu act = {a->swiglu_alpha, a->swiglu_limit};
-    M3_TRY(op->embed(be, B, r->tokens, &e->w.embed, 0, r->residual));
+    M3_TRY(op->embed(be, B, r->tokens, &r->target->embed, 0, r->residual));
     for (int i = 0; i < a->num_layers; i++) {
         const m3_draft_layer *L = &d->bw.layers[i];
         M3_TRY(op->add_rmsnorm(be, B, H, i ? r->hidden : NULL, r->residual, &L->input_norm, eps,
@@ -89,7 +89,7 @@ static m3_status draft_rows(m3_drafter *d, int64_t p) {
         M3_TRY(op->linear(be, B, r->act, &L->down, M3_DT_BF16, r->hidden));
     }
     M3_TRY(op->add_rmsnorm(be, B, H, r->hidden, r->residual, &d->bw.final_norm, eps, r->final));
-    m3_linear head = {e->w.lm_head, {0}, 0, 0};
+    m3_linear head = {r->target->lm_head, {0}, 0, 0};
     return op->linear(be, B, r->final, &head, M3_DT_F32, r->logits);
 }
 

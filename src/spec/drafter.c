@@ -275,30 +275,50 @@ static m3_status place_weights(m3_drafter *d, m3_backend *be) {
     return M3_OK;
 }
 
+/* Taps on every rank of engine e (n = 0: off): each rank runs every layer
+ * stock while they are on, so their in-layer exchanges stay in step; the
+ * drafter reads rank 0's (every rank holds the same hidden states). */
+static m3_status set_taps_all(m3_engine *e, const int *layers, int n) {
+    if (!e->ranks[0])
+        return m3_engine_set_taps(e, layers, n);
+    m3_status first = M3_OK;
+    for (int r = 0; r < e->tp_size; r++) {
+        m3_status st = m3_engine_set_taps(e->ranks[r], layers, n);
+        if (st && !first)
+            first = st;
+    }
+    return first;
+}
+
 m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
-    if (d->run.eng == e)
+    if (d->run.front == e)
         return M3_OK;
-    if (d->run.eng)
+    if (d->run.front)
         return m3_fail(M3_ERR_INVALID_ARG, "the drafter is bound to another engine");
-    if (e->ranks[0] || e->tp_size > 1)
-        return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) runs at TP 1 only "
-                       "so far; this engine has %d ranks", e->tp_size);
-    if (!e->be->ops->draft_attention)
+    /* at TP > 1 the drafter runs whole on rank 0's backend, with the
+     * model's own embedding and lm_head (the ranks hold vocabulary slices),
+     * which only a backend reading host memory has at hand */
+    m3_engine *r0 = e->ranks[0] ? e->ranks[0] : e;
+    if (e->ranks[0] && !r0->be->ops->host_memory)
+        return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) at TP %d runs on the "
+                       "CPU only so far, not on %s", e->tp_size, r0->be->ops->name);
+    if (!r0->be->ops->draft_attention)
         return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) needs the drafter's "
-                       "attention, which the %s backend does not have yet (the CPU's does)",
-                       e->be->ops->name);
-    if (d->cfg.block + 1 > e->opts.max_rows)
+                       "attention, which the %s backend does not have", r0->be->ops->name);
+    if (d->cfg.block + 1 > r0->opts.max_rows)
         return m3_fail(M3_ERR_INVALID_ARG, "the drafter's verify steps have %d rows; the "
-                       "engine's max_rows is %d", d->cfg.block + 1, e->opts.max_rows);
-    d->run.eng = e;
-    d->run.rows = e->opts.max_rows;
-    d->run.n_pages = e->cache.n_pages;
-    d->run.max_blocks = e->cache.max_blocks;
-    m3_status st = place_weights(d, e->be);
+                       "engine's max_rows is %d", d->cfg.block + 1, r0->opts.max_rows);
+    d->run.front = e;
+    d->run.eng = r0;
+    d->run.rows = r0->opts.max_rows;
+    d->run.n_pages = r0->cache.n_pages;
+    d->run.max_blocks = r0->cache.max_blocks;
+    d->run.target = e->ranks[0] ? &e->model->w : &r0->w;
+    m3_status st = place_weights(d, r0->be);
     if (!st)
-        st = alloc_run(d, e->be);
+        st = alloc_run(d, r0->be);
     if (!st)
-        st = m3_engine_set_taps(e, d->cfg.taps, d->cfg.n_taps);
+        st = set_taps_all(e, d->cfg.taps, d->cfg.n_taps);
     if (st) {
         m3_drafter_detach(d);
         return st;
@@ -328,6 +348,6 @@ void m3_drafter_detach(m3_drafter *d) {
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         if (bufs[i])
             be->ops->release(be, bufs[i]);
-    m3_engine_set_taps(r->eng, NULL, 0);
+    set_taps_all(r->front, NULL, 0);
     memset(r, 0, sizeof *r);
 }

@@ -40,7 +40,10 @@ typedef struct m3_draft_weights {
 /* Activations and caches in the bound engine's backend memory; R = the
  * engine's rows per step. */
 typedef struct m3_draft_run {
-    m3_engine *eng;                  /* bound engine (NULL: not bound) */
+    m3_engine *front;                /* the engine bound (NULL: not bound) */
+    m3_engine *eng;                  /* the one whose backend, cache and steps the
+                                      * drafter uses: front, or its rank 0 at TP > 1 */
+    const m3_weights *target;        /* the target's embedding and lm_head, whole */
     int rows;                        /* R */
     int64_t n_pages;                 /* the engine's page pool */
     int max_blocks;                  /* its block table width */

@@ -25,6 +25,8 @@ partly-accepted paths run too. For each:
     random_config: head and index dims, GQA groups, partial RoPE, dense and
     sparse layers, MoE, MXFP8), each with a drafter of random depth, block
     (1-15), window and weight format: (a)-(c) again;
+(g) --tp 2 (CPU ranks as threads, the drafter whole on rank 0): the tokens,
+    their logits and the draft logits bitwise those of --tp 1;
 (e) clean refusals (exit 1 or 2, a message on stderr naming the problem, no
     traceback or crash report): --draft on a missing folder, with
     --temperature 0.7, a drafter whose hidden_size differs from the
@@ -291,6 +293,21 @@ def check_refusals(m3, work, target, draft, prompt):
     return fails
 
 
+def check_tp(m3, work, name, target, draft, prompt, n_gen):
+    """(g): --tp 2 against --tp 1, both with the drafter."""
+    runs = []
+    for tp in (1, 2):
+        runs.append(generate(m3, target, prompt, n_gen, os.path.join(work, f"{name}_tp{tp}.npy"),
+                             draft, os.path.join(work, f"{name}_tp{tp}_draft.npy"),
+                             extra=("--tp", str(tp))))
+    (a, la, ga), (b, lb, gb) = runs
+    same = (a["tokens"] == b["tokens"] and np.array_equal(la, lb) and np.array_equal(ga, gb)
+            and a["spec"]["steps"] == b["spec"]["steps"])
+    print(f"{name}: --tp 2 {'equals' if same else 'DIFFERS from'} --tp 1 (tokens, logits, drafts, "
+          f"draft logits)")
+    return [] if same else [f"{name}: --tp 2 differs from --tp 1"]
+
+
 def check_random(m3, work, seed):
     """(f): a random target and a random drafter for it."""
     rng = random.Random(seed)
@@ -358,6 +375,9 @@ def main():
     toks = plain["tokens"]
     oracle = oracle_drafter(work, target, draft, toks[0], toks[1:], vocab)
     failures += check_spec(m3, work, "oracle", target, oracle, prompt, n_gen, vocab, need_accepts=True)
+
+    # (g) tensor parallel ranks
+    failures += check_tp(m3, work, "oracle_tp", target, oracle, prompt, n_gen)
 
     # (e) refusals
     failures += check_refusals(m3, work, target, draft, prompt)

@@ -12,8 +12,9 @@
  * end at max_new_tokens inside a block and at an end-of-sequence token
  * inside an accepted run; a proposer failure ending the run with its
  * message. Then the real drafter (m3 synth --draft-for's weights): the same
- * tokens as plain greedy, with and without a key window, and its
- * refusals (temperature, a too-small max_rows, a mismatched target).
+ * tokens as plain greedy, with and without a key window, at TP 1 and
+ * TP 2 (bitwise the same draft logits), and its refusals (temperature, a
+ * too-small max_rows, a mismatched target).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -43,9 +44,11 @@ static int keep_logits(void *user, int32_t token, const float *logits, int vocab
     return 0;
 }
 
-static m3_engine *make_engine(m3_model *m, int max_rows) {
+static m3_engine *make_engine_tp(m3_model *m, int max_rows, int tp) {
     m3_engine_opts o = m3_engine_defaults();
     o.threads = 2;
+    o.tp = tp;
+    o.tp_timeout_ms = 20000;
     o.max_rows = max_rows;
     o.max_seqs = 1;
     o.max_tokens = N_PROMPT + MAX_NEW + 16;
@@ -54,6 +57,8 @@ static m3_engine *make_engine(m3_model *m, int max_rows) {
         fprintf(stderr, "engine: %s\n", m3_last_error());
     return e;
 }
+
+static m3_engine *make_engine(m3_model *m, int max_rows) { return make_engine_tp(m, max_rows, 1); }
 
 /* The oracle: drafts for anchor position p are the plain run's tokens for
  * p + 1.. (token k of the run is at position N_PROMPT + k), the first
@@ -214,6 +219,20 @@ static void drafter_case(m3_model *m, const char *target_dir, const plain_run *p
     CHECK(stats.n_steps > 0 && stats.draft_logits != NULL);
     for (int i = 0; i < stats.n_steps; i++) /* positions follow the accepted counts */
         CHECK(i == 0 || stats.steps[i].pos == stats.steps[i - 1].pos + stats.steps[i - 1].accepted + 1);
+    /* at TP 2 (ranks as threads; the drafter whole on rank 0): the same
+     * tokens and bitwise the same draft logits */
+    m3_engine *e2 = make_engine_tp(m, 64, 2);
+    m3_gen_result res2 = {0};
+    m3_spec_stats stats2 = {.keep_steps = true, .keep_draft_logits = true};
+    CHECK_OK(m3_generate_speculative(e2, dr, prompt, N_PROMPT, &go, &res2, &stats2));
+    CHECK(res2.n_tokens == MAX_NEW && res2.tokens &&
+          !memcmp(res2.tokens, plain->tokens, sizeof plain->tokens));
+    CHECK(stats2.n_steps == stats.n_steps && stats2.draft_logits &&
+          !memcmp(stats2.draft_logits, stats.draft_logits,
+                  (size_t)stats.n_steps * 7 * plain->V * sizeof(float)));
+    m3_spec_stats_free(&stats2);
+    free(res2.tokens);
+    m3_engine_free(e2);
     m3_spec_stats_free(&stats);
     free(res.tokens);
     /* greedy only; the verify step must fit max_rows */
