@@ -13,7 +13,8 @@ with -DM3_MONO_MARKS have up to six mark columns (times inside each item:
 each GEMV chunk's activations staged and, from 2026-12-01's fourteenth
 session, warp 0's products of it done; a routed down item's
 activations staged (from the thirty-first session), its outputs written,
-its combine arrival; from the thirty-second session, a norm's
+its combine arrival; from the thirty-seventh, a shared down item's
+activations staged, its outputs written, its combine arrival; from the thirty-second session, a norm's
 (norm1, norm2) copies landed, its sum of squares, its rows written;
 the selection's scores staged, its threshold, its ids compacted):
 their medians, in µs after the item's

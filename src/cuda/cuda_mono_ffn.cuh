@@ -442,12 +442,14 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
             __syncthreads(); /* rowp published */
             stage_x<NR>(xs, ctl.rowp, a.T, 0, a.Is);
             __syncthreads();
+            mark(); /* the rows' activations staged */
             down_walk<NR, false>(wrow_of(a.shd), a.H, a.Is, xs,
                                  reinterpret_cast<uint4 *>(dsm + walk_xs_bytes<NR>()), tile0,
                                  ntile, a.T, [&](int t, int64_t n, float v) {
                                      a.sh_out[(size_t)t * a.H + n] = v;
                                  });
         }
+        mark(); /* the tiles' outputs written (thread 0's share: its warp's) */
         combine_arrive_n<V>(a, ctl, tile0, ntile, faulted);
         return;
     }
