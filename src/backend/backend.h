@@ -142,7 +142,6 @@ typedef struct m3_backend_ops {
                            const uint16_t *vcache, const int32_t *selected, int topk,
                            float scale, uint16_t *out);
 
-    /* out = bf16(swiglu_oai(gate, up)) elementwise over n values. */
     /* The DSpark drafter's attention (docs/DSPARK.md; NULL: the backend
      * has none): query rows q [rows, q_heads, dim] at positions p + t, each
      * over the context keys of kcache / vcache (the drafter's paged cache,
@@ -156,6 +155,7 @@ typedef struct m3_backend_ops {
                                  const int32_t *pages, int64_t p, int64_t window, float scale,
                                  uint16_t *out);
 
+    /* out = bf16(swiglu_oai(gate, up)) elementwise over n values. */
     m3_status (*swiglu)(m3_backend *be, int64_t n, const uint16_t *gate, const uint16_t *up,
                         const m3_swiglu *act, uint16_t *out);
 

@@ -32,9 +32,6 @@ m3_engine_opts m3_engine_defaults(void) {
     return o;
 }
 
-/* Rows the scratch holds: max_rows, and at least a whole graph bucket. */
-static int scratch_rows(const m3_engine *e) { return m3_engine_rows(e); }
-
 static void free_scratch(m3_engine *e) {
     void **ptrs = (void **)&e->s;
     for (size_t i = 0; i < sizeof e->s / sizeof(void *); i++)
@@ -45,7 +42,7 @@ static void free_scratch(m3_engine *e) {
 
 static m3_status alloc_scratch(m3_engine *e) {
     const m3_config *c = &e->cfg;
-    size_t R = (size_t)scratch_rows(e), H = (size_t)c->hidden_size, D = (size_t)c->head_dim;
+    size_t R = (size_t)m3_engine_rows(e), H = (size_t)c->hidden_size, D = (size_t)c->head_dim;
     size_t Ni = (size_t)c->index_heads, Di = (size_t)c->index_dim;
     size_t F = (size_t)(c->dense_dim > 0 ? c->dense_dim : 1);
     m3_scratch *s = &e->s;
@@ -106,7 +103,7 @@ static void free_step(m3_engine *e) {
 
 /* Host and backend copies of the step arrays, sized for the limits. */
 static m3_status alloc_step(m3_engine *e) {
-    size_t R = (size_t)scratch_rows(e), B = (size_t)e->opts.max_seqs;
+    size_t R = (size_t)m3_engine_rows(e), B = (size_t)e->opts.max_seqs;
     size_t sizes[7] = {R * 4, R * 8, R * 8, R * 4, B * 4, (B + 1) * 4, B * (size_t)e->max_blocks * 4};
     m3_step_arrays *h = &e->step.host, *d = &e->step.dev;
     void **hp[] = {(void **)&h->tokens, (void **)&h->positions, (void **)&h->slots,
@@ -723,7 +720,7 @@ m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float
     M3_TRY(m3_engine_bind_thread(e));
     int rows = 0;
     M3_TRY(check_requests(e, reqs, n_reqs, &rows));
-    int R = scratch_rows(e);
+    int R = m3_engine_rows(e);
     int32_t *out_rows = m3_malloc((size_t)R * sizeof *out_rows, "logit rows");
     if (!out_rows)
         return M3_ERR_NO_MEMORY;
@@ -817,32 +814,29 @@ m3_status m3_engine_decode(m3_engine *e, const m3_request *reqs, int n_reqs,
 }
 
 m3_status m3_engine_set_taps(m3_engine *e, const int *layers, int n) {
-    free(e->tap_host);
-    e->tap_host = NULL;
-    e->n_taps = 0;
-    for (int i = 0; i < M3_MAX_LAYERS; i++)
-        e->tap_of[i] = -1;
-    if (n <= 0)
-        return M3_OK;
-    if (e->ranks[0])
+    if (n > 0 && e->ranks[0])
         return m3_fail(M3_ERR_UNSUPPORTED, "layer taps need a TP 1 engine (this one has %d "
                        "ranks)", e->tp_size);
     if (n > M3_MAX_TAPS)
         return m3_fail(M3_ERR_INVALID_ARG, "%d layer taps: at most %d", n, M3_MAX_TAPS);
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n; i++)
         if (layers[i] < 0 || layers[i] >= e->cfg.num_layers)
             return m3_fail(M3_ERR_INVALID_ARG, "layer tap %d: the model has %d layers", layers[i],
                            e->cfg.num_layers);
-        e->tap_of[layers[i]] = i;
-    }
-    size_t R = (size_t)scratch_rows(e), H = (size_t)e->cfg.hidden_size;
+    free(e->tap_host);
+    e->tap_host = NULL;
+    e->n_taps = 0;
+    if (n <= 0)
+        return M3_OK;
+    size_t R = (size_t)m3_engine_rows(e), H = (size_t)e->cfg.hidden_size;
     /* the taps [R, n, H], then two rows' scratch [2, R, H] for the download */
     e->tap_host = m3_malloc((R * (size_t)n + 2 * R) * H * sizeof *e->tap_host, "layer taps");
-    if (!e->tap_host) {
-        for (int i = 0; i < M3_MAX_LAYERS; i++)
-            e->tap_of[i] = -1;
+    if (!e->tap_host)
         return M3_ERR_NO_MEMORY;
-    }
+    for (int i = 0; i < M3_MAX_LAYERS; i++)
+        e->tap_of[i] = -1;
+    for (int i = 0; i < n; i++)
+        e->tap_of[layers[i]] = i;
     e->n_taps = n;
     return M3_OK;
 }

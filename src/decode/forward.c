@@ -128,15 +128,21 @@ static m3_status final_logits(m3_engine *eng, int n_out) {
 }
 
 /* Tap of layer li: row t's bf16(hidden + residual) -- the residual stream
- * the next layer (or the final norm) reads -- into eng->tap_host. The
- * rows come to the host first (the CPU backend's download is a copy). */
+ * the next layer (or the final norm) reads -- into eng->tap_host. A
+ * backend whose memory is the host's is read in place; another's rows come
+ * to the host first. */
 static m3_status capture_tap(m3_engine *eng, const m3_step *st, int li) {
     int T = st->rows, H = eng->cfg.hidden_size, k = eng->n_taps;
     size_t R = (size_t)T;
     uint16_t *taps = eng->tap_host;
-    uint16_t *hid = taps + (size_t)m3_engine_rows(eng) * k * H, *res = hid + R * H;
-    M3_TRY(eng->be->ops->download(eng->be, hid, eng->s.hidden, R * H * sizeof *hid));
-    M3_TRY(eng->be->ops->download(eng->be, res, eng->s.residual, R * H * sizeof *res));
+    const uint16_t *hid = eng->s.hidden, *res = eng->s.residual;
+    if (!eng->be->ops->host_memory) {
+        uint16_t *h = taps + (size_t)m3_engine_rows(eng) * k * H, *r = h + R * H;
+        M3_TRY(eng->be->ops->download(eng->be, h, eng->s.hidden, R * H * sizeof *h));
+        M3_TRY(eng->be->ops->download(eng->be, r, eng->s.residual, R * H * sizeof *r));
+        hid = h;
+        res = r;
+    }
     int slot = eng->tap_of[li];
     for (int t = 0; t < T; t++) {
         uint16_t *dst = taps + ((size_t)t * k + slot) * H;

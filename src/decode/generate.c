@@ -21,14 +21,14 @@ m3_gen_opts m3_gen_defaults(void) {
     return o;
 }
 
-static bool is_eos(const m3_config *c, int32_t token) {
+bool m3_config_is_eos(const m3_config *c, int32_t token) {
     for (int i = 0; i < c->num_eos; i++)
         if (c->eos_ids[i] == token)
             return true;
     return false;
 }
 
-static m3_status check_gen(const m3_engine *e, int n_prompt, const m3_gen_opts *o) {
+m3_status m3_gen_check(const m3_engine *e, int n_prompt, const m3_gen_opts *o) {
     M3_TRY(m3_sampler_check(&o->sampler)); /* now, not after a long prefill */
     if (n_prompt < 1)
         return m3_fail(M3_ERR_INVALID_ARG, "the prompt is empty: at least one token is needed");
@@ -75,7 +75,7 @@ static m3_status run(m3_engine *e, m3_seq seq, const int32_t *prompt, int n_prom
         res->tokens[res->n_tokens++] = tok;
         if (o->on_token && o->on_token(o->user, tok, logits, V))
             break;
-        if (o->stop_at_eos && is_eos(&e->cfg, tok)) {
+        if (o->stop_at_eos && m3_config_is_eos(&e->cfg, tok)) {
             res->stopped_at_eos = true;
             break;
         }
@@ -97,7 +97,7 @@ m3_status m3_generate(m3_engine *e, const int32_t *prompt, int n_prompt, const m
     memset(res, 0, sizeof *res);
     if (!e || !prompt || !opts)
         return m3_fail(M3_ERR_INVALID_ARG, "m3_generate: engine, prompt and options are required");
-    M3_TRY(check_gen(e, n_prompt, opts));
+    M3_TRY(m3_gen_check(e, n_prompt, opts));
     res->n_prompt = n_prompt;
     res->tokens = m3_malloc((size_t)(opts->max_new_tokens + 1) * sizeof *res->tokens, "tokens");
     float *logits = m3_malloc((size_t)e->cfg.vocab_size * sizeof *logits, "logits");

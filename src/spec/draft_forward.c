@@ -93,15 +93,6 @@ static m3_status draft_rows(m3_drafter *d, int64_t p) {
     return op->linear(be, B, r->final, &head, M3_DT_F32, r->logits);
 }
 
-/* The lowest id among the largest values (the greedy sampler's rule). */
-static int32_t argmax(const float *x, int n) {
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best] || (isnan(x[best]) && !isnan(x[i])))
-            best = i;
-    return best;
-}
-
 m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t anchor,
                              int32_t *drafts, float *logits) {
     m3_draft_run *r = &d->run;
@@ -129,11 +120,8 @@ m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t ancho
     M3_TRY(op->upload(be, r->positions, positions, (size_t)B * sizeof *positions));
     M3_TRY(op->upload(be, r->pages, ss->pages, (size_t)ss->n_blocks * sizeof *ss->pages));
     M3_TRY(draft_rows(d, p));
-    float *host = logits ? logits : malloc((size_t)B * V * sizeof *host);
-    float *bias = malloc((size_t)V * sizeof *bias);
-    m3_status st = host && bias ? M3_OK : m3_fail(M3_ERR_NO_MEMORY, "out of memory for drafts");
-    if (!st)
-        st = op->download(be, host, r->logits, (size_t)B * V * sizeof *host);
+    float *host = logits ? logits : r->host_logits;
+    m3_status st = op->download(be, host, r->logits, (size_t)B * V * sizeof *host);
     m3_linear w2 = {d->bw.markov_w2, {0}, 0, 0};
     for (int j = 0; j < B && !st; j++) {
         float *row = host + (size_t)j * V;
@@ -143,16 +131,18 @@ m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t ancho
             st = op->upload(be, r->w1_row, w1, (size_t)R * 2);
             if (!st)
                 st = op->linear(be, 1, r->w1_row, &w2, M3_DT_F32, r->bias);
-            if (!st)
-                st = op->download(be, bias, r->bias, (size_t)V * sizeof *bias);
+            const float *bias = r->bias; /* a host-memory backend's, read in place */
+            if (!st && !op->host_memory) {
+                st = op->download(be, r->host_bias, r->bias, (size_t)V * sizeof *bias);
+                bias = r->host_bias;
+            }
             for (int v = 0; v < V && !st; v++)
                 row[v] += bias[v];
         }
-        if (!st)
-            drafts[j] = argmax(row, V);
+        if (!st) { /* greedy: lowest id on ties; 0 if the row is all NaN */
+            int32_t best = m3_argmax(row, V);
+            drafts[j] = best < 0 ? 0 : best;
+        }
     }
-    free(bias);
-    if (host != logits)
-        free(host);
     return st;
 }

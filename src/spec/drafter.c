@@ -220,6 +220,10 @@ static m3_status alloc_run(m3_drafter *d, m3_backend *be) {
     };
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         M3_TRY(be->ops->alloc(be, bufs[i].bytes, bufs[i].p));
+    r->host_logits = malloc(B * V * sizeof *r->host_logits);
+    r->host_bias = malloc(V * sizeof *r->host_bias);
+    if (!r->host_logits || !r->host_bias)
+        return m3_fail(M3_ERR_NO_MEMORY, "out of memory for the drafter's logits");
     return M3_OK;
 }
 
@@ -348,6 +352,8 @@ void m3_drafter_detach(m3_drafter *d) {
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         if (bufs[i])
             be->ops->release(be, bufs[i]);
+    free(r->host_logits);
+    free(r->host_bias);
     set_taps_all(r->front, NULL, 0);
     memset(r, 0, sizeof *r);
 }

@@ -16,32 +16,15 @@
 #include "spec/drafter.h"
 #include "spec/speculate.h"
 
-static bool is_eos(const m3_config *c, int32_t token) {
-    for (int i = 0; i < c->num_eos; i++)
-        if (c->eos_ids[i] == token)
-            return true;
-    return false;
-}
-
 static m3_status check_opts(const m3_engine *e, const m3_proposer *pr, int n_prompt,
                             const m3_gen_opts *o) {
-    M3_TRY(m3_sampler_check(&o->sampler));
+    M3_TRY(m3_gen_check(e, n_prompt, o));
     if (o->sampler.temperature != 0)
         return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding is greedy only: temperature "
                        "%g must be 0", (double)o->sampler.temperature);
-    if (n_prompt < 1)
-        return m3_fail(M3_ERR_INVALID_ARG, "the prompt is empty: at least one token is needed");
-    if (o->max_new_tokens < 0)
-        return m3_fail(M3_ERR_INVALID_ARG, "max_new_tokens = %d: must be >= 0",
-                       o->max_new_tokens);
     if (pr->block < 1 || pr->block > M3_MAX_DRAFT_BLOCK || pr->block + 1 > e->opts.max_rows)
         return m3_fail(M3_ERR_INVALID_ARG, "a draft block of %d rows (the verify step's %d "
                        "rows must fit max_rows %d)", pr->block, pr->block + 1, e->opts.max_rows);
-    int64_t need = (int64_t)n_prompt + (o->max_new_tokens > 0 ? o->max_new_tokens - 1 : 0);
-    if (need > m3_engine_max_context(e))
-        return m3_fail(M3_ERR_INVALID_ARG, "prompt of %d tokens plus %d new tokens needs a "
-                       "context of %lld; the limit is %lld", n_prompt, o->max_new_tokens,
-                       (long long)need, (long long)m3_engine_max_context(e));
     return M3_OK;
 }
 
@@ -64,7 +47,7 @@ static bool emit(loop *l, int32_t token, const float *row_logits) {
     res->tokens[res->n_tokens++] = token;
     if (l->o->on_token && l->o->on_token(l->o->user, token, row_logits, l->V))
         return false;
-    if (l->o->stop_at_eos && is_eos(&l->e->cfg, token)) {
+    if (l->o->stop_at_eos && m3_config_is_eos(&l->e->cfg, token)) {
         res->stopped_at_eos = true;
         return false;
     }
