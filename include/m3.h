@@ -322,6 +322,10 @@ typedef struct m3_spec_stats {
     bool keep_steps, keep_draft_logits;
     /* out */
     int64_t cycles, drafted, accepted; /* draft steps, drafts verified, drafts kept */
+    /* wall seconds in the proposer (its drafts, and the kept rows taken in
+     * as its context) and in the target's verify steps (the step, its
+     * logits and the acceptance): per cycle, what a cycle's time is made of */
+    double draft_seconds, verify_seconds;
     int n_steps;
     m3_spec_step *steps;
     float *draft_logits;

@@ -214,6 +214,8 @@ static cJSON *spec_json(const m3_spec_stats *s, int block) {
     /* tokens per target step of a draft cycle: accepted drafts + 1 */
     cJSON_AddNumberToObject(o, "acceptance_length",
                             s->cycles ? (double)(s->accepted + s->cycles) / s->cycles : 0);
+    cJSON_AddNumberToObject(o, "draft_seconds", s->draft_seconds);
+    cJSON_AddNumberToObject(o, "verify_seconds", s->verify_seconds);
     cJSON *steps = cJSON_AddArrayToObject(o, "steps");
     for (int i = 0; i < s->n_steps; i++) {
         const m3_spec_step *st = &s->steps[i];
@@ -270,9 +272,12 @@ static void print_result(const gen_args *a, const m3_gen_result *r, m3_engine_st
     fprintf(stderr, "decode: %d tokens in %.3f s (%.1f tokens/s)%s\n", r->n_tokens,
             r->decode_seconds, decode_tps, r->stopped_at_eos ? ", stopped at end-of-sequence" : "");
     if (spec && spec->cycles)
-        fprintf(stderr, "draft: %lld steps, %lld of %lld drafts accepted (%.2f tokens a step)\n",
+        fprintf(stderr,
+                "draft: %lld steps, %lld of %lld drafts accepted (%.2f tokens a step); a step "
+                "%.2f ms drafting, %.2f ms verifying\n",
                 (long long)spec->cycles, (long long)spec->accepted, (long long)spec->drafted,
-                (double)(spec->accepted + spec->cycles) / spec->cycles);
+                (double)(spec->accepted + spec->cycles) / spec->cycles,
+                1e3 * spec->draft_seconds / spec->cycles, 1e3 * spec->verify_seconds / spec->cycles);
 }
 
 /* Write each draft step's [block, vocab] logits as rows of an .npy. */

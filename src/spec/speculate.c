@@ -97,10 +97,12 @@ static m3_status cycle(loop *l, int64_t *p, int32_t *anchor) {
     int nb = B < remaining - 1 ? B : remaining - 1; /* drafts verified: emits <= nb + 1 */
     int32_t rows[M3_MAX_DRAFT_BLOCK + 1], drafts[M3_MAX_DRAFT_BLOCK];
     rows[0] = *anchor;
+    double t0 = m3_now_seconds();
     if (nb > 0) {
         M3_TRY(pr->propose(pr->self, l->seq, *p, *anchor, drafts, l->draft_logits));
         memcpy(rows + 1, drafts, (size_t)nb * sizeof *drafts);
     }
+    double t1 = m3_now_seconds();
     m3_request rq = {l->seq, rows, nb + 1};
     M3_TRY(m3_engine_step(l->e, &rq, 1, NULL, l->logits));
     m3_sampler greedy = {0, 0, 1, 0}; /* temperature 0: argmax, lowest id on ties */
@@ -112,11 +114,15 @@ static m3_status cycle(loop *l, int64_t *p, int32_t *anchor) {
             break;
         n_acc++;
     }
+    double t2 = m3_now_seconds();
     if (nb > 0)
         M3_TRY(record(l, *p, *anchor, drafts, nb, n_acc));
     /* the kept rows: the anchor and the accepted drafts */
     M3_TRY(m3_engine_set_len(l->e, l->seq, *p + n_acc + 1));
+    double t3 = m3_now_seconds();
     M3_TRY(pr->extend(pr->self, n_acc + 1));
+    l->stats->draft_seconds += (t1 - t0) + (m3_now_seconds() - t3);
+    l->stats->verify_seconds += t2 - t1;
     for (int i = 0; i < n_acc && !l->done; i++)
         l->done = !emit(l, drafts[i], l->logits + (size_t)i * V);
     if (!l->done)

@@ -169,6 +169,11 @@ def check_spec(m3, work, name, target, draft, prompt, n_gen, vocab, need_accepts
     B = DR.load_drafter(draft, model).cfg.block
     seq = list(prompt) + list(tokens)
     fails += check_steps(name, spec, seq, len(prompt), B, glog, vocab)
+    ds, vs = spec.get("draft_seconds"), spec.get("verify_seconds")
+    if not (isinstance(ds, (int, float)) and isinstance(vs, (int, float)) and ds > 0 and vs > 0
+            and ds + vs <= out.get("decode_seconds", 0)):
+        fails.append(f"{name}: spec draft_seconds {ds} and verify_seconds {vs} are not both "
+                     f"above 0 and within decode_seconds {out.get('decode_seconds')}")
     steps = spec.get("steps", [])
     if not steps or glog.shape != (len(steps), B, vocab):
         return fails

@@ -217,6 +217,9 @@ static void drafter_case(m3_model *m, const char *target_dir, const plain_run *p
     CHECK_OK(m3_generate_speculative(e, dr, prompt, N_PROMPT, &go, &res, &stats));
     CHECK(res.n_tokens == MAX_NEW && !memcmp(res.tokens, plain->tokens, sizeof plain->tokens));
     CHECK(stats.n_steps > 0 && stats.draft_logits != NULL);
+    /* the cycles' time split: both parts counted, inside the decode time */
+    CHECK(stats.draft_seconds > 0 && stats.verify_seconds > 0 &&
+          stats.draft_seconds + stats.verify_seconds <= res.decode_seconds);
     for (int i = 0; i < stats.n_steps; i++) /* positions follow the accepted counts */
         CHECK(i == 0 || stats.steps[i].pos == stats.steps[i - 1].pos + stats.steps[i - 1].accepted + 1);
     /* at TP 2 (ranks as threads; the drafter whole on rank 0): the same
