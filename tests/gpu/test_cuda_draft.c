@@ -168,8 +168,7 @@ static void argmax_case(int V, bool with_bias, int kind) {
     memcpy(ref, row, (size_t)V * 4);
     int32_t ref_tok = -7;
     if (g_cpu->ops->draft_argmax(g_cpu, V, ref, with_bias ? bias : NULL, &ref_tok)) {
-        fprintf(stderr, "test_cuda_draft: FATAL: the CPU op: %s
-", m3_last_error());
+        fprintf(stderr, "test_cuda_draft: FATAL: the CPU op: %s\n", m3_last_error());
         exit(1);
     }
     void *drow = up(row, (size_t)V * 4, 0), *dbias = up(bias, (size_t)V * 4, 0);
