@@ -155,6 +155,14 @@ typedef struct m3_backend_ops {
                                  const int32_t *pages, int64_t p, int64_t window, float scale,
                                  uint16_t *out);
 
+    /* The DSpark drafter's Markov step (docs/DSPARK.md; NULL: the backend
+     * has none): row[v] += bias[v] (fp32, written back; bias NULL: the row
+     * as it is), then *token = the row's argmax (lowest id on ties, NaN
+     * never chosen; 0 when every value is NaN), token in backend memory:
+     * the next row's bias is gathered by it without a trip to the host. */
+    m3_status (*draft_argmax)(m3_backend *be, int vocab, float *row, const float *bias,
+                              int32_t *token);
+
     /* out = bf16(swiglu_oai(gate, up)) elementwise over n values. */
     m3_status (*swiglu)(m3_backend *be, int64_t n, const uint16_t *gate, const uint16_t *up,
                         const m3_swiglu *act, uint16_t *out);

@@ -147,6 +147,9 @@ m3_status m3_cpu_draft_attention(m3_backend *be, int rows, int q_heads, int kv_h
                                  const uint16_t *kcache, const uint16_t *vcache,
                                  const int32_t *pages, int64_t p, int64_t window, float scale,
                                  uint16_t *out);
+/* backend op draft_argmax (cpu_draft.c) */
+m3_status m3_cpu_draft_argmax(m3_backend *be, int vocab, float *row, const float *bias,
+                              int32_t *token);
 
 static inline m3_cpu *m3_cpu_of(m3_backend *be) { return (m3_cpu *)be->impl; }
 

@@ -258,6 +258,7 @@ static const m3_backend_ops cpu_ops = {
     .select_blocks = m3_cpu_select_blocks,
     .attention = m3_cpu_attention,
     .draft_attention = m3_cpu_draft_attention,
+    .draft_argmax = m3_cpu_draft_argmax,
     .swiglu = m3_cpu_swiglu,
     .moe = m3_cpu_moe,
 };

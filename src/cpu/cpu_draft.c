@@ -5,7 +5,8 @@
  * windowed) and then every row of the block, with no causal order inside
  * the block. The arithmetic is the target's (cpu_attention.c): fp32 scores,
  * their exp summed in double, p = e / sum, out = sum p v in double, rounded
- * once to bf16. One (row, head) per pool item.
+ * once to bf16. One (row, head) per pool item. Also the Markov head's
+ * step (draft_argmax): the bias added, then the row's argmax.
  */
 #include <math.h>
 #include <string.h>
@@ -93,5 +94,22 @@ m3_status m3_cpu_draft_attention(m3_backend *be, int rows, int q_heads, int kv_h
                    p, window, scale, out, p + rows};
     M3_TRY(m3_cpu_thread_scratch(cpu, (size_t)dim * 4 + 2 + (size_t)j.max_keys));
     m3_pool_for(cpu->pool, (int64_t)rows * q_heads, 1, draft_chunk, &j);
+    return M3_OK;
+}
+
+m3_status m3_cpu_draft_argmax(m3_backend *be, int vocab, float *row, const float *bias,
+                              int32_t *token) {
+    (void)be;
+    if (vocab < 1 || !row || !token)
+        return m3_fail(M3_ERR_INVALID_ARG, "draft argmax: vocab %d, row and token are required",
+                       vocab);
+    int32_t best = -1;
+    for (int v = 0; v < vocab; v++) {
+        if (bias)
+            row[v] += bias[v];
+        if (!isnan(row[v]) && (best < 0 || row[v] > row[best]))
+            best = v;
+    }
+    *token = best < 0 ? 0 : best; /* every value NaN: token 0, as the host's rule */
     return M3_OK;
 }

@@ -349,6 +349,7 @@ static const m3_backend_ops cuda_ops = {
     .select_blocks = m3_cuda_select_blocks,
     .attention = m3_cuda_attention,
     .draft_attention = m3_cuda_draft_attention,
+    .draft_argmax = m3_cuda_draft_argmax,
     .swiglu = m3_cuda_swiglu,
     .moe = m3_cuda_moe,
     .graph_begin = cuda_graph_begin,

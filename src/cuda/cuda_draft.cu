@@ -15,6 +15,12 @@
  * its own order, so tests compare it with the CPU's within bf16 tolerance.
  * Capturable (cu->stream only, nothing else), though the drafter runs
  * eagerly.
+ *
+ * draft_argmax, the Markov head's step: the bias added to the row in one
+ * elementwise kernel, the argmax by the greedy sampler's kernels
+ * (cuda_sample.cu), and a one-thread kernel mapping its "every value NaN"
+ * (-1) to token 0, so the next row's gather stays in range: the drafts
+ * stay on the device between rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -112,7 +118,35 @@ __global__ void __launch_bounds__(kDraftThreads) draft_attention_kernel(const Dr
     }
 }
 
+__global__ void draft_add_kernel(int vocab, float *row, const float *bias) {
+    for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < vocab; v += gridDim.x * blockDim.x)
+        row[v] = __fadd_rn(row[v], bias[v]);
+}
+
+__global__ void draft_token_kernel(int32_t *token) {
+    if (*token < 0)
+        *token = 0;
+}
+
 } // namespace
+
+extern "C" m3_status m3_cuda_draft_argmax(m3_backend *be, int vocab, float *row,
+                                          const float *bias, int32_t *token) {
+    m3_cuda *cu = m3_cuda_of(be);
+    if (vocab < 1 || !row || !token)
+        return m3_fail(M3_ERR_INVALID_ARG, "draft argmax: vocab %d, row and token are required",
+                       vocab);
+    if (bias) {
+        const int threads = 256, blocks = (vocab + threads - 1) / threads;
+        draft_add_kernel<<<blocks < 1024 ? blocks : 1024, threads, 0, cu->stream>>>(vocab, row,
+                                                                                 bias);
+        M3_CUDA_LAUNCHED("draft_add_kernel");
+    }
+    M3_TRY(m3_cuda_sample(be, 1, row, vocab, 0.0f, 0, NULL, token));
+    draft_token_kernel<<<1, 1, 0, cu->stream>>>(token);
+    M3_CUDA_LAUNCHED("draft_token_kernel");
+    return M3_OK;
+}
 
 extern "C" m3_status m3_cuda_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads,
                                              int dim, const uint16_t *q, const uint16_t *bk,

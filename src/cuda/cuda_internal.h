@@ -141,6 +141,8 @@ m3_status m3_cuda_draft_attention(m3_backend *be, int rows, int q_heads, int kv_
                                   const uint16_t *kcache, const uint16_t *vcache,
                                   const int32_t *pages, int64_t p, int64_t window, float scale,
                                   uint16_t *out);
+m3_status m3_cuda_draft_argmax(m3_backend *be, int vocab, float *row, const float *bias,
+                               int32_t *token);
 /* cuda_linear.cu */
 m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x, const m3_linear *w,
                          m3_dtype out_dtype, void *out);

@@ -94,11 +94,9 @@ static inline int m3_engine_rows(const m3_engine *e) {
 
 /* generate.c and sample.c, shared with the speculative loop (spec/): the
  * checks m3_generate makes before anything runs (sampler, prompt, new
- * tokens, context); whether token ends a sequence; the greedy choice
- * (lowest id on ties, NaN never chosen; -1 when every value is NaN). */
+ * tokens, context); whether token ends a sequence. */
 m3_status m3_gen_check(const m3_engine *eng, int n_prompt, const m3_gen_opts *opts);
 bool m3_config_is_eos(const m3_config *c, int32_t token);
-int32_t m3_argmax(const float *logits, int vocab);
 
 /* Tap layers[0..n) on every later step of a TP 1 engine (n = 0: none). */
 m3_status m3_engine_set_taps(m3_engine *eng, const int *layers, int n);

@@ -45,7 +45,9 @@ static int cand_cmp(const void *a, const void *b) {
     return (x->id > y->id) - (x->id < y->id);
 }
 
-int32_t m3_argmax(const float *logits, int vocab) {
+/* the greedy choice: lowest id on ties, NaN never chosen; -1 when every
+ * value is NaN */
+static int32_t m3_argmax(const float *logits, int vocab) {
     int32_t best = -1;
     for (int i = 0; i < vocab; i++)
         if (!isnan(logits[i]) && (best < 0 || logits[i] > logits[best]))

@@ -119,30 +119,23 @@ m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t ancho
     M3_TRY(op->upload(be, r->tokens, tokens, (size_t)B * sizeof *tokens));
     M3_TRY(op->upload(be, r->positions, positions, (size_t)B * sizeof *positions));
     M3_TRY(op->upload(be, r->pages, ss->pages, (size_t)ss->n_blocks * sizeof *ss->pages));
+    M3_TRY(op->upload(be, r->drafts, &anchor, sizeof anchor));
     M3_TRY(draft_rows(d, p));
-    float *host = logits ? logits : r->host_logits;
-    m3_status st = op->download(be, host, r->logits, (size_t)B * V * sizeof *host);
+    /* row by row on the backend: row j += W2 . W1[prev_j] (fp32), then its
+     * argmax is prev_{j+1}; the drafts stay in backend memory until all B
+     * are chosen (a GPU step does not wait for the host between rows) */
     m3_linear w2 = {d->bw.markov_w2, {0}, 0, 0};
-    for (int j = 0; j < B && !st; j++) {
-        float *row = host + (size_t)j * V;
-        int32_t prev = j ? drafts[j - 1] : anchor;
-        if (R) { /* row j += W2 . W1[prev] (fp32) */
-            const uint16_t *w1 = (const uint16_t *)d->w.markov_w1.data + (size_t)prev * R;
-            st = op->upload(be, r->w1_row, w1, (size_t)R * 2);
-            if (!st)
-                st = op->linear(be, 1, r->w1_row, &w2, M3_DT_F32, r->bias);
-            const float *bias = r->bias; /* a host-memory backend's, read in place */
-            if (!st && !op->host_memory) {
-                st = op->download(be, r->host_bias, r->bias, (size_t)V * sizeof *bias);
-                bias = r->host_bias;
-            }
-            for (int v = 0; v < V && !st; v++)
-                row[v] += bias[v];
+    for (int j = 0; j < B; j++) {
+        float *row = r->logits + (size_t)j * V;
+        if (R) {
+            M3_TRY(op->gather_rows(be, 1, r->drafts + j, R,
+                                   (const uint16_t *)d->bw.markov_w1.data, r->w1_row));
+            M3_TRY(op->linear(be, 1, r->w1_row, &w2, M3_DT_F32, r->bias));
         }
-        if (!st) { /* greedy: lowest id on ties; 0 if the row is all NaN */
-            int32_t best = m3_argmax(row, V);
-            drafts[j] = best < 0 ? 0 : best;
-        }
+        M3_TRY(op->draft_argmax(be, V, row, R ? r->bias : NULL, r->drafts + j + 1));
     }
-    return st;
+    M3_TRY(op->download(be, drafts, r->drafts + 1, (size_t)B * sizeof *drafts));
+    if (logits)
+        M3_TRY(op->download(be, logits, r->logits, (size_t)B * V * sizeof *logits));
+    return M3_OK;
 }

@@ -217,13 +217,10 @@ static m3_status alloc_run(m3_drafter *d, m3_backend *be) {
         {(void **)&r->act, B * F * 2},      {(void **)&r->logits, B * V * 4},
         {(void **)&r->w1_row, (size_t)(d->cfg.markov_rank + 1) * 2},
         {(void **)&r->bias, V * 4}, {(void **)&r->pages, (size_t)r->max_blocks * 4},
+        {(void **)&r->drafts, (B + 1) * 4},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         M3_TRY(be->ops->alloc(be, bufs[i].bytes, bufs[i].p));
-    r->host_logits = malloc(B * V * sizeof *r->host_logits);
-    r->host_bias = malloc(V * sizeof *r->host_bias);
-    if (!r->host_logits || !r->host_bias)
-        return m3_fail(M3_ERR_NO_MEMORY, "out of memory for the drafter's logits");
     return M3_OK;
 }
 
@@ -260,6 +257,7 @@ static m3_status place_weights(m3_drafter *d, m3_backend *be) {
     M3_TRY(place_linear(d, be, &h->fc, &b->fc));
     M3_TRY(place_tensor(d, be, &h->hidden_norm, &b->hidden_norm));
     M3_TRY(place_tensor(d, be, &h->final_norm, &b->final_norm));
+    M3_TRY(place_tensor(d, be, &h->markov_w1, &b->markov_w1));
     M3_TRY(place_tensor(d, be, &h->markov_w2, &b->markov_w2));
     for (int i = 0; i < L; i++) {
         const m3_draft_layer *hl = &h->layers[i];
@@ -306,9 +304,10 @@ m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
     if (e->ranks[0] && !r0->be->ops->host_memory)
         return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) at TP %d runs on the "
                        "CPU only so far, not on %s", e->tp_size, r0->be->ops->name);
-    if (!r0->be->ops->draft_attention)
+    if (!r0->be->ops->draft_attention || !r0->be->ops->draft_argmax)
         return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) needs the drafter's "
-                       "attention, which the %s backend does not have", r0->be->ops->name);
+                       "attention and Markov step ops, which the %s backend does not have",
+                       r0->be->ops->name);
     if (d->cfg.block + 1 > r0->opts.max_rows)
         return m3_fail(M3_ERR_INVALID_ARG, "the drafter's verify steps have %d rows; the "
                        "engine's max_rows is %d", d->cfg.block + 1, r0->opts.max_rows);
@@ -348,12 +347,11 @@ void m3_drafter_detach(m3_drafter *d) {
     memset(&d->bw, 0, sizeof d->bw);
     void *bufs[] = {r->taps, r->ctx_u, r->ctx_h, r->ctx_k, r->ctx_v, r->tokens, r->positions,
                     r->hidden, r->residual, r->x, r->o, r->final, r->q, r->attn, r->k, r->v,
-                    r->gate, r->up, r->act, r->logits, r->w1_row, r->bias, r->pages};
+                    r->gate, r->up, r->act, r->logits, r->w1_row, r->bias, r->pages,
+                    r->drafts};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         if (bufs[i])
             be->ops->release(be, bufs[i]);
-    free(r->host_logits);
-    free(r->host_bias);
     set_taps_all(r->front, NULL, 0);
     memset(r, 0, sizeof *r);
 }

@@ -60,7 +60,7 @@ typedef struct m3_draft_run {
     float *logits;                   /* [B, V] */
     uint16_t *w1_row;                /* [r] */
     float *bias;                     /* [V] */
-    float *host_logits, *host_bias;  /* host: [B, V], [V] (the Markov head's rows) */
+    int32_t *drafts;                 /* [B + 1]: the anchor, then each row's draft */
     int32_t *pages;                  /* [max_blocks]: the draft step's block table */
 } m3_draft_run;
 

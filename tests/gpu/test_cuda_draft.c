@@ -6,7 +6,12 @@
  *    positions at page edges and past them, with and without a key window;
  *    the output poisoned (NaN) with guard bytes past its end; relative L2
  *    within bf16 rounding (TOL), no NaN.
- * 2. Whole runs on the tiny preset: speculative decoding on the GPU gives
+ * 2. The draft_argmax op (the Markov head's step) against the CPU's: rows
+ *    with the bias and without, ties at the maximum, NaN, +-inf, a row of
+ *    NaN only (token 0) and of -inf only; the row written back bitwise as
+ *    the CPU's (a NaN as a NaN: its payload is the hardware's) and the
+ *    same token, the token's word poisoned first.
+ * 3. Whole runs on the tiny preset: speculative decoding on the GPU gives
  *    plain greedy decoding's tokens on the same GPU (both stock: a step with
  *    taps runs stock), for a random drafter and a windowed one; and the
  *    GPU's draft logits agree with the CPU's for the same run within bf16
@@ -138,6 +143,86 @@ static void test_op(void) {
         }
 }
 
+/* kind 0: random; 1: ties at the maximum; 2: NaN scattered, +-inf; 3: NaN
+ * only; 4: -inf only */
+static void argmax_case(int V, bool with_bias, int kind) {
+    float *row = gpu_xmalloc((size_t)V * 4), *bias = gpu_xmalloc((size_t)V * 4);
+    for (int v = 0; v < V; v++) {
+        row[v] = (float)(8.0 * rng_unit() - 4.0);
+        bias[v] = (float)(2.0 * rng_unit() - 1.0);
+    }
+    if (kind == 1) /* the maximum at several ids, the bias level there */
+        for (int i = 0; i < 5; i++) {
+            int v = rng_below(V);
+            row[v] = 9.0f;
+            bias[v] = 0.5f;
+        }
+    if (kind == 2)
+        for (int i = 0; i < V / 50 + 2; i++) {
+            int v = rng_below(V);
+            row[v] = i % 3 == 0 ? NAN : i % 3 == 1 ? INFINITY : -INFINITY;
+        }
+    if (kind >= 3)
+        for (int v = 0; v < V; v++)
+            row[v] = kind == 3 ? NAN : -INFINITY;
+    float *ref = gpu_xmalloc((size_t)V * 4);
+    memcpy(ref, row, (size_t)V * 4);
+    int32_t ref_tok = -7;
+    if (g_cpu->ops->draft_argmax(g_cpu, V, ref, with_bias ? bias : NULL, &ref_tok)) {
+        fprintf(stderr, "test_cuda_draft: FATAL: the CPU op: %s\n", m3_last_error());
+        exit(1);
+    }
+    void *drow = up(row, (size_t)V * 4, 0), *dbias = up(bias, (size_t)V * 4, 0);
+    void *dtok = up(NULL, 4, GUARD); /* poisoned */
+    m3_status st = g_gpu->ops->draft_argmax(g_gpu, V, drow, with_bias ? dbias : NULL, dtok);
+    if (!st)
+        st = g_gpu->ops->sync(g_gpu);
+    char what[96];
+    snprintf(what, sizeof what, "vocab %d, %s, kind %d", V, with_bias ? "bias" : "no bias", kind);
+    g_cases++;
+    if (st) {
+        printf("draft_argmax %-40s FAIL: %s\n", what, m3_last_error());
+        g_fails++;
+    } else {
+        float *got = gpu_xmalloc((size_t)V * 4);
+        unsigned char tok[4 + GUARD];
+        if (g_gpu->ops->download(g_gpu, got, drow, (size_t)V * 4) ||
+            g_gpu->ops->download(g_gpu, tok, dtok, sizeof tok))
+            exit(1);
+        bool guard = true;
+        const uint32_t w = POISON;
+        for (size_t i = 4; i < sizeof tok; i++)
+            guard &= tok[i] == ((const unsigned char *)&w)[i % 4];
+        int32_t t;
+        memcpy(&t, tok, 4);
+        /* bitwise, except that a NaN's payload is the hardware's own */
+        bool row_same = true;
+        for (int v = 0; v < V && row_same; v++)
+            row_same = isnan(got[v]) ? isnan(ref[v]) : !memcmp(&got[v], &ref[v], 4);
+        bool pass = guard && row_same && t == ref_tok && t >= 0 && t < V;
+        printf("draft_argmax %-40s token %d (CPU %d), row %s: %s%s\n", what, t, ref_tok,
+               row_same ? "bitwise the CPU's" : "DIFFERS", pass ? "PASS" : "FAIL",
+               guard ? "" : " (wrote past the token)");
+        g_fails += !pass;
+        free(got);
+    }
+    g_gpu->ops->release(g_gpu, drow);
+    g_gpu->ops->release(g_gpu, dbias);
+    g_gpu->ops->release(g_gpu, dtok);
+    free(row);
+    free(bias);
+    free(ref);
+}
+
+static void test_argmax(void) {
+    static const int vocabs[] = {1, 7, 4096, 12345, 200064};
+    for (size_t i = 0; i < sizeof vocabs / sizeof *vocabs; i++)
+        for (int kind = 0; kind < 5; kind++)
+            argmax_case(vocabs[i], (kind + (int)i) % 2 == 0, kind);
+    argmax_case(200064, true, 1);
+    argmax_case(200064, false, 2);
+}
+
 /* ------------------------------------------------------------ whole runs */
 
 #define N_PROMPT 300
@@ -235,6 +320,7 @@ int main(void) {
     g_rng = gpu_test_seed(0xd5a4cull);
     printf("test_cuda_draft: seed %llu (set M3_TEST_SEED to vary)\n", (unsigned long long)g_rng);
     test_op();
+    test_argmax();
 
     char tdir[512], ddir[600];
     m3_config cfg;
