@@ -110,6 +110,6 @@ m3_status m3_cpu_draft_argmax(m3_backend *be, int vocab, float *row, const float
         if (!isnan(row[v]) && (best < 0 || row[v] > row[best]))
             best = v;
     }
-    *token = best < 0 ? 0 : best; /* every value NaN: token 0, as the host's rule */
+    *token = best < 0 ? 0 : best; /* every value NaN: token 0 (a draft is a token id) */
     return M3_OK;
 }
