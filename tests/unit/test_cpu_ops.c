@@ -33,7 +33,8 @@
  * not just "did not reach the output").
  *
  * This program checks the dense ops (embedding, gather, add + norm, linear,
- * per-head norm + RoPE, cache writes); test_cpu_attention_ops.c the sparse
+ * per-head norm + RoPE, cache writes) and the DSpark Markov step
+ * (draft_argmax); test_cpu_attention_ops.c the sparse
  * attention ops (index scores, block selection, attention) and
  * test_cpu_moe_ops.c SwiGLU and the MoE; cpu_ops_check.h holds what they
  * share.
@@ -477,9 +478,69 @@ static void test_e4m3_encode(void) {
     CHECK(m3_f32_to_e4m3(0x1p-10f) == 0x00); /* half the smallest subnormal: tie to 0 */
 }
 
+/* ------------------------------------------------------------ draft_argmax */
+
+/* The DSpark Markov step (backend.h): row += bias in fp32, written back;
+ * the token is the lowest id of the row's maximum, NaN never chosen, 0 when
+ * every value is NaN. */
+static void test_draft_argmax(void) {
+    enum { V = 1000 };
+    float *row = xalloc(V * 4), *bias = xalloc(V * 4), *ref = xalloc(V * 4);
+    for (int trial = 0; trial < 6; trial++) {
+        for (int v = 0; v < V; v++) {
+            row[v] = rng_sym(4.0f);
+            bias[v] = rng_sym(1.0f);
+        }
+        if (trial >= 2) /* NaN scattered, infinities, a tied maximum */
+            for (int i = 0; i < 30; i++)
+                row[rng_below(V)] = i % 3 == 0 ? NAN : i % 3 == 1 ? -INFINITY : 9.0f;
+        if (trial == 3) /* bias 0 at the tied 9s: still tied */
+            for (int v = 0; v < V; v++)
+                if (row[v] == 9.0f)
+                    bias[v] = 0.0f;
+        bool with_bias = trial % 2 == 0 || trial == 3;
+        int32_t want = -1;
+        for (int v = 0; v < V; v++) {
+            ref[v] = with_bias ? row[v] + bias[v] : row[v];
+            if (!isnan(ref[v]) && (want < 0 || ref[v] > ref[want]))
+                want = v;
+        }
+        for (int i = 0; i < N_BE; i++) {
+            float *got = xalloc(V * 4);
+            memcpy(got, row, V * 4);
+            int32_t tok = -7;
+            CHECK_OK(g_be[i]->ops->draft_argmax(g_be[i], V, got, with_bias ? bias : NULL, &tok));
+            bool same = true;
+            for (int v = 0; v < V; v++)
+                same &= isnan(ref[v]) ? isnan(got[v]) : !memcmp(&got[v], &ref[v], 4);
+            CHECK(same);
+            CHECK(tok == want);
+            free(got);
+        }
+    }
+    /* hand: {1, NaN, 3, 3} + {0, 0, 0.5, 0.5} -> {1, NaN, 3.5, 3.5}: token 2;
+     * all NaN: token 0; all -inf: token 0 (the lowest of a tied maximum) */
+    float h[4] = {1, NAN, 3, 3}, hb[4] = {0, 0, 0.5f, 0.5f};
+    int32_t tok = -1;
+    CHECK_OK(g_be[0]->ops->draft_argmax(g_be[0], 4, h, hb, &tok));
+    CHECK(tok == 2 && h[2] == 3.5f && h[3] == 3.5f && h[0] == 1.0f && isnan(h[1]));
+    float nan4[4] = {NAN, NAN, NAN, NAN}, ninf[3] = {-INFINITY, -INFINITY, -INFINITY};
+    tok = -1;
+    CHECK_OK(g_be[0]->ops->draft_argmax(g_be[0], 4, nan4, NULL, &tok));
+    CHECK(tok == 0);
+    tok = -1;
+    CHECK_OK(g_be[0]->ops->draft_argmax(g_be[0], 3, ninf, NULL, &tok));
+    CHECK(tok == 0);
+    /* bad arguments name what is wrong */
+    CHECK(g_be[0]->ops->draft_argmax(g_be[0], 0, h, NULL, &tok) == M3_ERR_INVALID_ARG);
+    free(row);
+    free(bias);
+    free(ref);
+}
+
 int main(void) {
     void (*const tests[])(void) = {test_reference_rounding, test_e4m3_encode, test_embed, test_gather_rows,
                                    test_add_rmsnorm, test_linear, test_head_norm_rope,
-                                   test_cache_write};
+                                   test_cache_write, test_draft_argmax};
     return cpu_ops_main("test_cpu_ops", tests, (int)(sizeof tests / sizeof *tests));
 }
