@@ -7,7 +7,6 @@
 #include <stdlib.h>
 
 #include "core/status.h"
-#include "decode/engine.h"
 #include "m3.h"
 
 void m3_rng_seed(m3_rng *rng, uint64_t seed) {
@@ -47,7 +46,7 @@ static int cand_cmp(const void *a, const void *b) {
 
 /* the greedy choice: lowest id on ties, NaN never chosen; -1 when every
  * value is NaN */
-static int32_t m3_argmax(const float *logits, int vocab) {
+static int32_t argmax(const float *logits, int vocab) {
     int32_t best = -1;
     for (int i = 0; i < vocab; i++)
         if (!isnan(logits[i]) && (best < 0 || logits[i] > logits[best]))
@@ -76,7 +75,7 @@ m3_status m3_sample(const m3_sampler *s, m3_rng *rng, const float *logits, int v
     if (s->temperature > 0 && !rng)
         return m3_fail(M3_ERR_INVALID_ARG, "m3_sample: temperature %g needs a generator",
                        s->temperature);
-    int32_t best = m3_argmax(logits, vocab);
+    int32_t best = argmax(logits, vocab);
     if (best < 0)
         return m3_fail(M3_ERR_FAULT, "every logit is NaN");
     if (s->temperature == 0) {

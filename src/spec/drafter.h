@@ -28,8 +28,7 @@ typedef struct m3_draft_layer {
     m3_linear down;                  /* [H, F] */
 } m3_draft_layer;
 
-/* Every weight of a drafter (the Markov head's W1 is read by rows on the
- * host: only its host view is used). */
+/* Every weight of a drafter. */
 typedef struct m3_draft_weights {
     m3_linear fc;                    /* [H, k*H] */
     m3_tensor hidden_norm, final_norm; /* [H] bf16 */
