@@ -338,7 +338,10 @@ static int generate(const gen_args *a, const int32_t *prompt, int n_prompt) {
         go.sampler = (m3_sampler){(float)a->temperature, (int)a->top_k, (float)a->top_p,
                                   (uint64_t)a->seed};
         go.stop_at_eos = !a->ignore_eos;
-        go.on_token = on_token;
+        /* only --dump-logits reads each token's logits: without it they
+         * stay on the device (a decode step's row of vocabulary floats, a
+         * verify step's B + 1 rows) */
+        go.on_token = a->dump_logits ? on_token : NULL;
         go.user = &dump;
         spec.keep_steps = a->json;
         spec.keep_draft_logits = a->dump_draft_logits != NULL;

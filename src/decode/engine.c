@@ -761,6 +761,44 @@ static bool device_can_sample(const m3_engine *e, const m3_sampler *s) {
     return e->be && e->be->ops->sample && (s->temperature == 0 || (s->top_k == 0 && s->top_p >= 1));
 }
 
+m3_status m3_engine_step_greedy(m3_engine *e, const m3_request *reqs, int n_reqs,
+                                int32_t *tokens) {
+    static const m3_sampler greedy = {0, 0, 1, 0};
+    if (!e || !reqs || !tokens)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_engine_step_greedy: engine, requests and "
+                       "tokens are required");
+    size_t V = (size_t)e->cfg.vocab_size;
+    int rows = 0;
+    if (!device_can_sample(e, &greedy)) { /* (a TP front: its ranks check the requests) */
+        float *all = m3_malloc((size_t)m3_engine_rows(e) * V * sizeof *all, "step logits");
+        if (!all)
+            return M3_ERR_NO_MEMORY;
+        m3_status st = m3_engine_step(e, reqs, n_reqs, NULL, all);
+        for (int q = 0; q < n_reqs && !st; q++)
+            rows += reqs[q].n_tokens; /* (checked by the step) */
+        for (int i = 0; i < rows && !st; i++) {
+            st = m3_sample(&greedy, NULL, all + (size_t)i * V, (int)V, &tokens[i]);
+            if (st == M3_ERR_FAULT) /* every logit NaN */
+                tokens[i] = -1, st = M3_OK;
+        }
+        free(all);
+        return st;
+    }
+    M3_TRY(m3_engine_bind_thread(e));
+    M3_TRY(check_requests(e, reqs, n_reqs, &rows));
+    int32_t *out_rows = m3_malloc((size_t)m3_engine_rows(e) * sizeof *out_rows, "logit rows");
+    if (!out_rows)
+        return M3_ERR_NO_MEMORY;
+    for (int i = 0; i < m3_engine_rows(e); i++)
+        out_rows[i] = i;
+    int bucket;
+    m3_status st = step_forward(e, reqs, n_reqs, out_rows, rows, &bucket);
+    free(out_rows);
+    M3_TRY(st);
+    M3_TRY(e->be->ops->sample(e->be, rows, e->s.logits, (int)V, 0.0f, 0, NULL, e->tokens_dev));
+    return e->be->ops->download(e->be, tokens, e->tokens_dev, (size_t)rows * 4);
+}
+
 m3_status m3_engine_decode(m3_engine *e, const m3_request *reqs, int n_reqs,
                            const m3_sampler *sampler, m3_rng *rng, int64_t step,
                            int32_t *tokens, float *logits) {

@@ -128,6 +128,15 @@ m3_status m3_tp_run_all(m3_engine *front, m3_status (*fn)(m3_engine *rank, void 
 m3_status m3_tp_front_step(m3_engine *front, const m3_request *reqs, int n_reqs, float *logits,
                            float *all_logits);
 
+/* A step like m3_engine_step with every row's greedy token (argmax, lowest
+ * id on ties) in tokens [rows]: chosen on the device where the backend can
+ * (only the tokens come back: a verify step of B + 1 rows would otherwise
+ * download B + 1 rows of vocabulary logits), else from the logits on the
+ * host; -1 for a row whose every logit is NaN (the caller decides whether
+ * it reads that row). */
+m3_status m3_engine_step_greedy(m3_engine *eng, const m3_request *reqs, int n_reqs,
+                                int32_t *tokens);
+
 /* For benchmarks: give seq len tokens of cache (pages reserved, contents
  * whatever the cache holds) without running them. */
 m3_status m3_engine_set_len(m3_engine *eng, m3_seq seq, int64_t len);

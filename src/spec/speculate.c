@@ -104,15 +104,27 @@ static m3_status cycle(loop *l, int64_t *p, int32_t *anchor) {
     }
     double t1 = m3_now_seconds();
     m3_request rq = {l->seq, rows, nb + 1};
-    M3_TRY(m3_engine_step(l->e, &rq, 1, NULL, l->logits));
-    m3_sampler greedy = {0, 0, 1, 0}; /* temperature 0: argmax, lowest id on ties */
+    /* row i's greedy token is the target's for position p + 1 + i; the
+     * rows' logits come to the host only when on_token reads them */
     int n_acc = 0;
     int32_t target = 0;
-    for (;;) { /* row i's greedy token is the target's for position p + 1 + i */
-        M3_TRY(m3_sample(&greedy, NULL, l->logits + (size_t)n_acc * V, V, &target));
-        if (n_acc == nb || target != drafts[n_acc])
-            break;
-        n_acc++;
+    if (l->o->on_token) {
+        M3_TRY(m3_engine_step(l->e, &rq, 1, NULL, l->logits));
+        m3_sampler greedy = {0, 0, 1, 0}; /* temperature 0: argmax, lowest id on ties */
+        for (;;) {
+            M3_TRY(m3_sample(&greedy, NULL, l->logits + (size_t)n_acc * V, V, &target));
+            if (n_acc == nb || target != drafts[n_acc])
+                break;
+            n_acc++;
+        }
+    } else {
+        int32_t targets[M3_MAX_DRAFT_BLOCK + 1];
+        M3_TRY(m3_engine_step_greedy(l->e, &rq, 1, targets));
+        while (n_acc < nb && targets[n_acc] == drafts[n_acc])
+            n_acc++;
+        target = targets[n_acc];
+        if (target < 0) /* (rows after the first mismatch are not read) */
+            return m3_fail(M3_ERR_FAULT, "every logit is NaN");
     }
     double t2 = m3_now_seconds();
     if (nb > 0)

@@ -141,6 +141,23 @@ static void oracle_case(m3_model *m, const plain_run *plain, const int *plan, in
           stats.accepted + stats.cycles + 2 >= max_new);
     printf("%s: %lld steps, %lld accepted of %lld\n", what, (long long)stats.cycles,
            (long long)stats.accepted, (long long)stats.drafted);
+    /* without on_token the verify step's tokens come from
+     * m3_engine_step_greedy (no rows of logits to the host): the same run */
+    m3_engine *e2 = make_engine(m, 64);
+    oracle o2 = {plain, block, 0, plan, n_plan, 0, 0, -1, max_new};
+    m3_proposer pr2 = {block, &o2, oracle_extend, oracle_propose};
+    go.on_token = NULL;
+    m3_gen_result res2 = {0};
+    m3_spec_stats stats2 = {.keep_steps = true};
+    if (e2) {
+        CHECK_OK(m3_speculate(e2, &pr2, prompt, N_PROMPT, &go, &res2, &stats2));
+        CHECK(res2.n_tokens == max_new && res2.tokens &&
+              !memcmp(res2.tokens, plain->tokens, (size_t)max_new * sizeof *res2.tokens));
+        CHECK(stats2.accepted == o2.expect_accepted && stats2.cycles == stats.cycles);
+    }
+    m3_spec_stats_free(&stats2);
+    free(res2.tokens);
+    m3_engine_free(e2);
     m3_spec_stats_free(&stats);
     free(res.tokens);
     free(got.logits);
