@@ -74,9 +74,11 @@ def run(cmd, **kw):
 
 
 def generate(m3, model, prompt, n_gen, dump, draft=None, draft_dump=None, extra=()):
-    """(parsed JSON, logits [N, V], draft logits [C, B, V] or None)."""
+    """(parsed JSON, logits [N, V] (None without dump), draft logits [C, B, V] or None)."""
     cmd = [m3, "generate", "--model", model, "--prompt-ids", ",".join(map(str, prompt)),
-           "--max-tokens", str(n_gen), "--ignore-eos", "--json", "--dump-logits", dump, *COMMON, *extra]
+           "--max-tokens", str(n_gen), "--ignore-eos", "--json", *COMMON, *extra]
+    if dump:
+        cmd += ["--dump-logits", dump]
     if draft:
         cmd += ["--draft", draft, "--dump-draft-logits", draft_dump]
     out = json.loads(run(cmd).stdout)
@@ -84,7 +86,7 @@ def generate(m3, model, prompt, n_gen, dump, draft=None, draft_dump=None, extra=
     if draft:  # the engine writes [steps x block, V]
         glog = np.load(draft_dump)
         glog = glog.reshape(-1, out["spec"]["block"], glog.shape[-1])
-    return out, np.load(dump), glog
+    return out, np.load(dump) if dump else None, glog
 
 
 def reference_cycles(work, name, target, draft, seq, steps):
@@ -162,6 +164,12 @@ def check_spec(m3, work, name, target, draft, prompt, n_gen, vocab, need_accepts
     if logits.shape != plain_logits.shape or not np.array_equal(logits, plain_logits):
         fails.append(f"{name}: --dump-logits with --draft differ from without (shapes {logits.shape}, "
                      f"{plain_logits.shape})")
+    # without --dump-logits the verify steps' rows stay on the backend (their
+    # greedy tokens come from m3_engine_step_greedy): the same tokens
+    bare, _, _ = generate(m3, target, prompt, n_gen, None, draft, os.path.join(work, name + "_draft2.npy"))
+    if bare["tokens"] != plain["tokens"]:
+        fails.append(f"{name}: tokens with --draft and no --dump-logits {bare['tokens']} != "
+                     f"plain {plain['tokens']}")
     spec = out.get("spec")
     if not isinstance(spec, dict):
         return fails + [f"{name}: no 'spec' object in the JSON output"]
