@@ -292,10 +292,6 @@ static void read_knobs(m3_cuda_mono *m) {
      * from 4 rows (-1.5% at 4, -3% at 8: twenty-second session); 5 and 6
      * against 4 at 1-2 rows: -1.5% / -2%, twenty-eighth session) */
     m->edn_sub = env_int("M3_MONO_EDN_SUB", 0, 0, 8);
-    /* M3_MONO_EDN_LATE_SUB=n: tiles per routed down item for the experts
-     * whose gate/up ends in the grid's last partial wave (edn_early; 0,
-     * the default: as the others) */
-    m->edn_late_sub = env_int("M3_MONO_EDN_LATE_SUB", 0, 0, 8);
     /* M3_MONO_SHDN_SUB=n: 8-column tiles per shared down item, walked with
      * the routed down's weight ring (0, the default: as the routed down
      * items; 1: a tile per item, gemv_rows; only where the shared width

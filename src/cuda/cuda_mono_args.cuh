@@ -148,8 +148,6 @@ struct MonoArgs {
     int spin_ns;      /* M3_MONO_SPIN_NS */
     int shdn_early;   /* M3_MONO_SHDN_EARLY: % of the shared down items queued early */
     int edn_sub;      /* M3_MONO_EDN_SUB: 8-column tiles per routed down item (1..8) */
-    int edn_late_sub; /* M3_MONO_EDN_LATE_SUB: the same for the experts whose gate/up
-                       * ends in the grid's last partial wave (0: edn_sub; edn_early) */
     int shdn_sub;     /* 8-column tiles per shared down item (1: a tile and a K slice each) */
     int egu_sub;      /* 4-neuron tiles per routed gate/up item (bf16 world 1, up to
                        * 8 rows; at 1-2 rows 1: gemv_rows, more: gu_walk) */

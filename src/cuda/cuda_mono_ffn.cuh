@@ -659,44 +659,13 @@ __host__ __device__ __forceinline__ int edn_groups(int H, int sub) {
     return (H / kTile + sub - 1) / sub;
 }
 
-/* The experts whose routed down items are a.edn_sub tiles wide: those
- * whose gate/up items all lie in the full waves of the grid (nu x the
- * items an expert, rounded down to the CTAs: at 2 rows 6 of 8 experts,
- * at 4 rows 8 of 15). The rest, whose gate/up ends in the last partial
- * wave, have items of a.edn_late_sub tiles (M3_MONO_EDN_LATE_SUB; 0: as
- * the others): their down items are what the grid runs after the gate/up,
- * and smaller items spread that tail over more CTAs (the item traces of
- * the fortieth session: 18 us of down items after the last gate/up at 2
- * rows, 37 at 4). Every CTA computes the same split. */
 template <int NR, int V>
-__device__ __forceinline__ int edn_early(const MonoArgs &a, int nu) {
-    if (!a.edn_late_sub)
-        return nu;
-    const int g = egu_groups(a.I, egu_sub_of<NR, V>(a)), P = (int)gridDim.x;
-    return min(nu, nu * g / P * P / g);
-}
-
-template <int NR, int V>
-__device__ __forceinline__ int edn_count(const MonoArgs &a, int nu) {
-    const int early = edn_early<NR, V>(a, nu);
-    return early * edn_groups(a.H, a.edn_sub) +
-           (nu - early) * (a.edn_late_sub ? edn_groups(a.H, a.edn_late_sub) : 0);
-}
-
-template <int NR, int V>
-__device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item, int nu,
+__device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int item,
                          bool faulted) {
     constexpr int ENR = enr_of(NR);
-    const int tiles = a.H / kTile, early = edn_early<NR, V>(a, nu);
-    int sub = a.edn_sub, groups = edn_groups(a.H, sub), u0 = 0;
-    if (item >= early * groups) {
-        item -= early * groups;
-        u0 = early;
-        sub = a.edn_late_sub;
-        groups = edn_groups(a.H, sub);
-    }
-    const int u = u0 + item / groups, tile0 = (item % groups) * sub;
-    const int ntile = min(sub, tiles - tile0);
+    const int tiles = a.H / kTile, groups = edn_groups(a.H, a.edn_sub);
+    const int u = item / groups, tile0 = (item % groups) * a.edn_sub;
+    const int ntile = min(a.edn_sub, tiles - tile0);
     const int warp = threadIdx.x >> 5;
     int e = 0, f0 = 0, f1 = 0;
     if (!faulted) { /* the plan is published: this item exists */

@@ -43,7 +43,7 @@ struct m3_cuda_mono {
     bool tracing;       /* between trace_start and trace_write */
     /* tuning knobs (cuda_mono.cu read_knobs) */
     int spin_ns, poll_acquire, shdn_early, edn_sub, shdn_sub, egu_sub, pin, idx_claim, idx_run, idx_min_pages,
-        idx_slices, edn_late_sub;
+        idx_slices;
     uint16_t *dry_rows; /* M3_MONO_PIN=2 scratch (see MonoArgs) */
     float *dry_logits;
     int32_t *dry_plan;

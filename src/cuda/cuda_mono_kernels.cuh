@@ -255,9 +255,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     for (;;) {
         bool faulted;
         int cur = next_item(ctl, &faulted);
-        int n_egu = 0, n_edn = 0, nu = -1;
+        int n_egu = 0, n_edn = 0;
         if (cur >= base_dyn) { /* the routed experts' items exist once the plan does */
-            nu = ctl.plan_nu; /* (read by every thread before the barriers below) */
+            int nu = ctl.plan_nu; /* (read by every thread before the barriers below) */
             if (nu < 0) {
                 wait_count(&a.ctr[C_PLAN], 1u);
                 nu = __ldcg(a.n_uniq);
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
                     ctl.plan_nu = nu; /* seen by the CTA after the item's barriers */
             }
             n_egu = nu * egu_groups(a.I, egu_sub_of<NR, V>(a));
-            n_edn = edn_count<NR, V>(a, nu);
+            n_edn = nu * edn_groups(a.H, a.edn_sub);
             if (cur - base_dyn >= n_egu + (n_shdn - n_shdn0) + n_edn + n_fin)
                 break;
         }
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         case K_SHGU: shgu_item<NR, V>(a, ctl, dsm, cur, faulted); break;
         case K_EGU: egu_item<NR, V>(a, ctl, dsm, cur, faulted); break;
         case K_SHDN: shdn_item<NR, V>(a, ctl, dsm, cur, faulted); break;
-        case K_EDN: edn_item<NR, V>(a, ctl, dsm, cur, nu, faulted); break;
+        case K_EDN: edn_item<NR, V>(a, ctl, dsm, cur, faulted); break;
         default: final_item<V>(a, ctl, cur, faulted); break;
         }
         if (plan) /* one call site: the plan's code is inlined once */

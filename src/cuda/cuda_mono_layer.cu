@@ -301,7 +301,6 @@ static void args_buffers(const m3_cuda_mono *m, const m3_step *st, const m3_cach
     a->poll_acquire = m->poll_acquire;
     a->shdn_early = m->shdn_early >= 0 ? m->shdn_early : 100;
     a->edn_sub = m->edn_sub ? m->edn_sub : (a->T > 2 ? 8 : a->T == 2 ? 6 : 5);
-    a->edn_late_sub = m->edn_late_sub;
     a->shdn_sub = a->Is && m->s_shdn == 1 && a->Is <= kKC && !a->shd.fp8
                       ? (m->shdn_sub ? m->shdn_sub : a->edn_sub)
                       : 1;
