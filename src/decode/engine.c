@@ -710,16 +710,12 @@ m3_status m3_engine_build(m3_engine *e, const m3_request *reqs, int n_reqs, bool
     return build_step(e, reqs, n_reqs, rows, padded);
 }
 
-m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float *logits,
-                         float *all_logits) {
-    if (!e || !reqs || (!logits && !all_logits))
-        return m3_fail(M3_ERR_INVALID_ARG, "m3_engine_step: engine, requests and an output "
-                       "buffer are required");
-    if (e->ranks[0])
-        return m3_tp_front_step(e, reqs, n_reqs, logits, all_logits);
+/* A TP 1 engine's step with the logits of every row (all_rows) or of each
+ * request's last row in e->s.logits; *rows: the step's rows. */
+static m3_status forward_rows(m3_engine *e, const m3_request *reqs, int n_reqs, bool all_rows,
+                              int *rows) {
     M3_TRY(m3_engine_bind_thread(e));
-    int rows = 0;
-    M3_TRY(check_requests(e, reqs, n_reqs, &rows));
+    M3_TRY(check_requests(e, reqs, n_reqs, rows));
     int R = m3_engine_rows(e);
     int32_t *out_rows = m3_malloc((size_t)R * sizeof *out_rows, "logit rows");
     if (!out_rows)
@@ -727,8 +723,8 @@ m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float
     /* every row, or each request's last row; padded rows map to themselves */
     for (int i = 0; i < R; i++)
         out_rows[i] = i;
-    int n_out = rows;
-    if (!all_logits) {
+    int n_out = *rows;
+    if (!all_rows) {
         int t = 0;
         for (int q = 0; q < n_reqs; q++) {
             t += reqs[q].n_tokens;
@@ -739,8 +735,21 @@ m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float
     int bucket;
     m3_status st = step_forward(e, reqs, n_reqs, out_rows, n_out, &bucket);
     free(out_rows);
+    return st;
+}
+
+m3_status m3_engine_step(m3_engine *e, const m3_request *reqs, int n_reqs, float *logits,
+                         float *all_logits) {
+    if (!e || !reqs || (!logits && !all_logits))
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_engine_step: engine, requests and an output "
+                       "buffer are required");
+    if (e->ranks[0])
+        return m3_tp_front_step(e, reqs, n_reqs, logits, all_logits);
+    int rows = 0;
+    M3_TRY(forward_rows(e, reqs, n_reqs, all_logits != NULL, &rows));
     size_t V = (size_t)e->cfg.vocab_size;
-    if (!st && all_logits)
+    m3_status st = M3_OK;
+    if (all_logits)
         st = e->be->ops->download(e->be, all_logits, e->s.logits, (size_t)rows * V * 4);
     if (!st && logits && all_logits) {
         int t = 0;
@@ -761,41 +770,23 @@ static bool device_can_sample(const m3_engine *e, const m3_sampler *s) {
     return e->be && e->be->ops->sample && (s->temperature == 0 || (s->top_k == 0 && s->top_p >= 1));
 }
 
+bool m3_engine_greedy_on_device(const m3_engine *e) {
+    static const m3_sampler greedy = {0, 0, 1, 0};
+    return device_can_sample(e, &greedy);
+}
+
 m3_status m3_engine_step_greedy(m3_engine *e, const m3_request *reqs, int n_reqs,
                                 int32_t *tokens) {
-    static const m3_sampler greedy = {0, 0, 1, 0};
     if (!e || !reqs || !tokens)
         return m3_fail(M3_ERR_INVALID_ARG, "m3_engine_step_greedy: engine, requests and "
                        "tokens are required");
-    size_t V = (size_t)e->cfg.vocab_size;
+    if (!m3_engine_greedy_on_device(e))
+        return m3_fail(M3_ERR_UNSUPPORTED, "m3_engine_step_greedy: this engine's backend "
+                       "does not choose tokens (use m3_engine_step and m3_sample)");
     int rows = 0;
-    if (!device_can_sample(e, &greedy)) { /* (a TP front: its ranks check the requests) */
-        float *all = m3_malloc((size_t)m3_engine_rows(e) * V * sizeof *all, "step logits");
-        if (!all)
-            return M3_ERR_NO_MEMORY;
-        m3_status st = m3_engine_step(e, reqs, n_reqs, NULL, all);
-        for (int q = 0; q < n_reqs && !st; q++)
-            rows += reqs[q].n_tokens; /* (checked by the step) */
-        for (int i = 0; i < rows && !st; i++) {
-            st = m3_sample(&greedy, NULL, all + (size_t)i * V, (int)V, &tokens[i]);
-            if (st == M3_ERR_FAULT) /* every logit NaN */
-                tokens[i] = -1, st = M3_OK;
-        }
-        free(all);
-        return st;
-    }
-    M3_TRY(m3_engine_bind_thread(e));
-    M3_TRY(check_requests(e, reqs, n_reqs, &rows));
-    int32_t *out_rows = m3_malloc((size_t)m3_engine_rows(e) * sizeof *out_rows, "logit rows");
-    if (!out_rows)
-        return M3_ERR_NO_MEMORY;
-    for (int i = 0; i < m3_engine_rows(e); i++)
-        out_rows[i] = i;
-    int bucket;
-    m3_status st = step_forward(e, reqs, n_reqs, out_rows, rows, &bucket);
-    free(out_rows);
-    M3_TRY(st);
-    M3_TRY(e->be->ops->sample(e->be, rows, e->s.logits, (int)V, 0.0f, 0, NULL, e->tokens_dev));
+    M3_TRY(forward_rows(e, reqs, n_reqs, true, &rows));
+    M3_TRY(e->be->ops->sample(e->be, rows, e->s.logits, e->cfg.vocab_size, 0.0f, 0, NULL,
+                              e->tokens_dev));
     return e->be->ops->download(e->be, tokens, e->tokens_dev, (size_t)rows * 4);
 }
 

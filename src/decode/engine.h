@@ -129,11 +129,12 @@ m3_status m3_tp_front_step(m3_engine *front, const m3_request *reqs, int n_reqs,
                            float *all_logits);
 
 /* A step like m3_engine_step with every row's greedy token (argmax, lowest
- * id on ties) in tokens [rows]: chosen on the device where the backend can
- * (only the tokens come back: a verify step of B + 1 rows would otherwise
- * download B + 1 rows of vocabulary logits), else from the logits on the
- * host; -1 for a row whose every logit is NaN (the caller decides whether
- * it reads that row). */
+ * id on ties; -1 for a row whose every logit is NaN) in tokens [rows],
+ * chosen on the device: only the tokens come back (a verify step of B + 1
+ * rows would otherwise download B + 1 rows of vocabulary logits). Only
+ * where m3_engine_greedy_on_device (not the CPU backend, not a TP front):
+ * else M3_ERR_UNSUPPORTED. */
+bool m3_engine_greedy_on_device(const m3_engine *eng);
 m3_status m3_engine_step_greedy(m3_engine *eng, const m3_request *reqs, int n_reqs,
                                 int32_t *tokens);
 

@@ -105,10 +105,11 @@ static m3_status cycle(loop *l, int64_t *p, int32_t *anchor) {
     double t1 = m3_now_seconds();
     m3_request rq = {l->seq, rows, nb + 1};
     /* row i's greedy token is the target's for position p + 1 + i; the
-     * rows' logits come to the host only when on_token reads them */
+     * rows' logits come to the host only when on_token reads them or the
+     * backend cannot choose tokens */
     int n_acc = 0;
     int32_t target = 0;
-    if (l->o->on_token) {
+    if (l->o->on_token || !m3_engine_greedy_on_device(l->e)) {
         M3_TRY(m3_engine_step(l->e, &rq, 1, NULL, l->logits));
         m3_sampler greedy = {0, 0, 1, 0}; /* temperature 0: argmax, lowest id on ties */
         for (;;) {

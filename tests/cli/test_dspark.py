@@ -164,8 +164,8 @@ def check_spec(m3, work, name, target, draft, prompt, n_gen, vocab, need_accepts
     if logits.shape != plain_logits.shape or not np.array_equal(logits, plain_logits):
         fails.append(f"{name}: --dump-logits with --draft differ from without (shapes {logits.shape}, "
                      f"{plain_logits.shape})")
-    # without --dump-logits the verify steps' rows stay on the backend (their
-    # greedy tokens come from m3_engine_step_greedy): the same tokens
+    # without --dump-logits no on_token reads the verify steps' rows (on a
+    # GPU their greedy tokens come from m3_engine_step_greedy): the same tokens
     bare, _, _ = generate(m3, target, prompt, n_gen, None, draft, os.path.join(work, name + "_draft2.npy"))
     if bare["tokens"] != plain["tokens"]:
         fails.append(f"{name}: tokens with --draft and no --dump-logits {bare['tokens']} != "

@@ -141,8 +141,9 @@ static void oracle_case(m3_model *m, const plain_run *plain, const int *plan, in
           stats.accepted + stats.cycles + 2 >= max_new);
     printf("%s: %lld steps, %lld accepted of %lld\n", what, (long long)stats.cycles,
            (long long)stats.accepted, (long long)stats.drafted);
-    /* without on_token the verify step's tokens come from
-     * m3_engine_step_greedy (no rows of logits to the host): the same run */
+    /* without on_token (on a backend that chooses tokens, the verify
+     * step's come from m3_engine_step_greedy; here the CPU's, from the
+     * logits on the host): the same run */
     m3_engine *e2 = make_engine(m, 64);
     oracle o2 = {plain, block, 0, plan, n_plan, 0, 0, -1, max_new};
     m3_proposer pr2 = {block, &o2, oracle_extend, oracle_propose};
