@@ -95,6 +95,12 @@ typedef struct m3_backend_ops {
     m3_status (*gather_rows)(m3_backend *be, int n, const int32_t *idx, int dim,
                              const uint16_t *src, uint16_t *dst);
 
+    /* out[t, i] = bf16(a[t, i] + b[t, i]) for a, b dense [rows, dim]; out's
+     * rows lie out_stride elements apart, so a row can be one slice of a
+     * wider one (a layer tap's place in the drafter's context row). */
+    m3_status (*add_rows)(m3_backend *be, int rows, int dim, const uint16_t *a,
+                          const uint16_t *b, int64_t out_stride, uint16_t *out);
+
     /* With add: residual = bf16(add + residual); without: residual as is.
      * out = bf16(gemma_rmsnorm(residual) with w).     [rows, dim] */
     m3_status (*add_rmsnorm)(m3_backend *be, int rows, int dim, const uint16_t *add,

@@ -107,6 +107,18 @@ static m3_status cpu_gather_rows(m3_backend *be, int n, const int32_t *idx, int 
     return M3_OK;
 }
 
+static m3_status cpu_add_rows(m3_backend *be, int rows, int dim, const uint16_t *a,
+                              const uint16_t *b, int64_t out_stride, uint16_t *out) {
+    (void)be;
+    for (int t = 0; t < rows; t++)
+        for (int i = 0; i < dim; i++) {
+            int64_t k = (int64_t)t * dim + i;
+            out[(int64_t)t * out_stride + i] =
+                m3_f32_to_bf16(m3_bf16_to_f32(a[k]) + m3_bf16_to_f32(b[k]));
+        }
+    return M3_OK;
+}
+
 typedef struct norm_job {
     m3_cpu *cpu;
     int dim;
@@ -250,6 +262,7 @@ static const m3_backend_ops cpu_ops = {
     .embed = cpu_embed,
     .round_bf16 = cpu_round_bf16,
     .gather_rows = cpu_gather_rows,
+    .add_rows = cpu_add_rows,
     .add_rmsnorm = cpu_add_rmsnorm,
     .linear = m3_cpu_linear,
     .head_norm_rope = cpu_head_norm_rope,

@@ -341,6 +341,7 @@ static const m3_backend_ops cuda_ops = {
     .embed = m3_cuda_embed,
     .round_bf16 = m3_cuda_round_bf16,
     .gather_rows = m3_cuda_gather_rows,
+    .add_rows = m3_cuda_add_rows,
     .add_rmsnorm = m3_cuda_add_rmsnorm,
     .linear = m3_cuda_linear,
     .head_norm_rope = m3_cuda_head_norm_rope,

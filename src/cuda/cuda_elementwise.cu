@@ -114,6 +114,33 @@ extern "C" m3_status m3_cuda_gather_rows(m3_backend *be, int n, const int32_t *i
                          "gather_rows (gather_kernel)");
 }
 
+/* out[t, i] = bf16(a[t, i] + b[t, i]); out's rows out_stride apart. Grid:
+ * x over a row's values, y over rows. */
+__global__ void __launch_bounds__(256)
+    add_rows_kernel(int rows, int dim, const uint16_t *__restrict__ a,
+                    const uint16_t *__restrict__ b, int64_t out_stride,
+                    uint16_t *__restrict__ out) {
+    for (int t = blockIdx.y; t < rows; t += gridDim.y)
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < dim; i += gridDim.x * blockDim.x) {
+            int64_t k = (int64_t)t * dim + i;
+            out[(int64_t)t * out_stride + i] = m3_to_bf(m3_bf(a[k]) + m3_bf(b[k]));
+        }
+}
+
+extern "C" m3_status m3_cuda_add_rows(m3_backend *be, int rows, int dim, const uint16_t *a,
+                                      const uint16_t *b, int64_t out_stride, uint16_t *out) {
+    if (rows <= 0 || dim <= 0)
+        return M3_OK;
+    if (out_stride < dim)
+        return m3_fail(M3_ERR_INTERNAL, "add_rows: out_stride %lld is below the row width %d",
+                       (long long)out_stride, dim);
+    int bx = (dim + 255) / 256;
+    dim3 grid((unsigned)(bx < 64 ? bx : 64), (unsigned)(rows < 65535 ? rows : 65535));
+    add_rows_kernel<<<grid, 256, 0, m3_cuda_of(be)->stream>>>(rows, dim, a, b, out_stride, out);
+    M3_CUDA_LAUNCHED("add_rows_kernel");
+    return M3_OK;
+}
+
 /* cache [pages, heads, 128, dim] at slots[t] <- src row t's heads. Grid: x
  * covers (head, unit) of one row, y strides over rows; padded rows
  * (negative slot) write nothing. */

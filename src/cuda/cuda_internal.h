@@ -112,6 +112,8 @@ m3_status m3_cuda_round_bf16(m3_backend *be, int64_t n, m3_dtype in_dtype, const
                              uint16_t *out);
 m3_status m3_cuda_gather_rows(m3_backend *be, int n, const int32_t *idx, int dim,
                               const uint16_t *src, uint16_t *dst);
+m3_status m3_cuda_add_rows(m3_backend *be, int rows, int dim, const uint16_t *a,
+                           const uint16_t *b, int64_t out_stride, uint16_t *out);
 m3_status m3_cuda_add_rmsnorm(m3_backend *be, int rows, int dim, const uint16_t *add,
                               uint16_t *residual, const m3_tensor *w, float eps, uint16_t *out);
 m3_status m3_cuda_head_norm_rope(m3_backend *be, int rows, int heads, int dim, uint16_t *x,

@@ -585,15 +585,34 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
     return op->upload(e->be, d->block_table, h->block_table, (size_t)n_reqs * width * 4);
 }
 
-/* The graph bucket of a step of `rows` rows (decode: one token per request,
- * each after a prefill), or -1. */
-static int graph_bucket(const m3_engine *e, bool decode, int rows) {
-    if (!e->graphs || e->n_taps || !decode || rows > M3_GRAPH_MAX_ROWS)
-        return -1; /* (a replay runs no host code: no taps) */
-    int b = 0;
-    while ((1 << b) < rows)
-        b++;
-    return b;
+/* The graph bucket of a step of `rows` rows whose logits are those of
+ * out_rows (n_out of them), or -1: a decode step (one token per request,
+ * each after a prefill), padded up to its bucket's width; or, at TP 1, one
+ * request extending its sequence by 2..16 rows that wants every row's
+ * logits in order, as a graph computes them (the verify step of
+ * speculative decoding). Every launch of such a step is sized by its row
+ * count and capacities alone (cuda/cuda_internal.h), so one capture
+ * serves every replay of the same shape. */
+static int graph_bucket(const m3_engine *e, const m3_request *reqs, int n_reqs, int rows,
+                        const int32_t *out_rows, int n_out) {
+    if (!e->graphs || rows > M3_GRAPH_MAX_ROWS)
+        return -1;
+    bool decode = true;
+    for (int q = 0; q < n_reqs; q++)
+        decode = decode && reqs[q].n_tokens == 1 && e->cache.seqs[reqs[q].seq].len > 0;
+    if (decode) {
+        int b = 0;
+        while ((1 << b) < rows)
+            b++;
+        return b;
+    }
+    if (n_reqs != 1 || rows < 2 || e->tp_size > 1 || e->cache.seqs[reqs[0].seq].len == 0 ||
+        n_out != rows)
+        return -1;
+    for (int i = 0; i < n_out; i++)
+        if (out_rows[i] != i)
+            return -1;
+    return M3_GRAPH_DECODE_BUCKETS + rows - 2;
 }
 
 /* The forward of the built step, from its graph when it has one: the first
@@ -645,8 +664,8 @@ static m3_status step_forward(m3_engine *e, const m3_request *reqs, int n_reqs,
         bool decode = true;
         for (int q = 0; q < n_reqs; q++)
             decode = decode && reqs[q].n_tokens == 1 && e->cache.seqs[reqs[q].seq].len > 0;
-        bucket = graph_bucket(e, decode, rows);
-        int padded = bucket >= 0 ? 1 << bucket : rows;
+        bucket = graph_bucket(e, reqs, n_reqs, rows, out_rows, n_out);
+        int padded = bucket >= M3_GRAPH_DECODE_BUCKETS ? rows : bucket >= 0 ? 1 << bucket : rows;
         if (bucket < 0 && decode && e->mono && !e->n_taps && m3_mono_width(e->mono, rows) > 0)
             padded = m3_mono_width(e->mono, rows); /* the mono path's compiled widths */
         st = build_step(e, reqs, n_reqs, rows, padded);
@@ -852,16 +871,18 @@ m3_status m3_engine_set_taps(m3_engine *e, const int *layers, int n) {
         if (layers[i] < 0 || layers[i] >= e->cfg.num_layers)
             return m3_fail(M3_ERR_INVALID_ARG, "layer tap %d: the model has %d layers", layers[i],
                            e->cfg.num_layers);
-    free(e->tap_host);
-    e->tap_host = NULL;
+    /* a graph captured with or without taps, or writing the old buffer,
+     * would replay the wrong step */
+    if (e->be)
+        free_graphs(e);
+    if (e->taps)
+        e->be->ops->release(e->be, e->taps);
+    e->taps = NULL;
     e->n_taps = 0;
     if (n <= 0)
         return M3_OK;
     size_t R = (size_t)m3_engine_rows(e), H = (size_t)e->cfg.hidden_size;
-    /* the taps [R, n, H], then two rows' scratch [2, R, H] for the download */
-    e->tap_host = m3_malloc((R * (size_t)n + 2 * R) * H * sizeof *e->tap_host, "layer taps");
-    if (!e->tap_host)
-        return M3_ERR_NO_MEMORY;
+    M3_TRY(e->be->ops->alloc(e->be, R * (size_t)n * H * sizeof *e->taps, (void **)&e->taps));
     for (int i = 0; i < M3_MAX_LAYERS; i++)
         e->tap_of[i] = -1;
     for (int i = 0; i < n; i++)

@@ -14,8 +14,12 @@
 #include "model/config_json.h"
 #include "model/model.h"
 
-#define M3_GRAPH_BUCKETS 5 /* decode steps of 1, 2, 4, 8, 16 rows */
 #define M3_GRAPH_MAX_ROWS 16
+/* Graph buckets: decode steps of 1, 2, 4, 8, 16 rows (padded up), then one
+ * request extending its sequence by 2..16 rows with every row's logits
+ * (a speculative verify step), one bucket per row count */
+#define M3_GRAPH_DECODE_BUCKETS 5
+#define M3_GRAPH_BUCKETS (M3_GRAPH_DECODE_BUCKETS + M3_GRAPH_MAX_ROWS - 1)
 
 /* Activations of one step, in backend memory; R = max(max_rows, 16). */
 typedef struct m3_scratch {
@@ -80,11 +84,12 @@ struct m3_engine {
     m3_layer_hook layer_hook;
     void *layer_hook_user;
     /* Layer taps (the DSpark drafter's context, spec/): after tapped layer
-     * L, row t's bf16(hidden + residual) goes to tap_host [t, tap_of[L], H]
-     * (host memory). A step with taps runs every layer stock and eagerly. */
+     * L, row t's bf16(hidden + residual) goes to taps [t, tap_of[L], H]
+     * (backend memory, written by the add_rows op, so a step with taps can
+     * be captured into a graph). A step with taps runs every layer stock. */
     int n_taps;
     int tap_of[M3_MAX_LAYERS]; /* the tap index of a layer, -1: untapped */
-    uint16_t *tap_host;        /* [R, n_taps, H], then [2, R, H] of scratch */
+    uint16_t *taps;            /* [R, n_taps, H] (backend memory) */
 };
 
 /* Rows of the scratch buffers: R = max(max_rows, 16). */

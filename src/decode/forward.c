@@ -9,7 +9,6 @@
 #include <math.h>
 #include <string.h>
 
-#include "core/bf16.h"
 #include "core/status.h"
 #include "decode/engine.h"
 #include "mono/mono.h"
@@ -128,29 +127,12 @@ static m3_status final_logits(m3_engine *eng, int n_out) {
 }
 
 /* Tap of layer li: row t's bf16(hidden + residual) -- the residual stream
- * the next layer (or the final norm) reads -- into eng->tap_host. A
- * backend whose memory is the host's is read in place; another's rows come
- * to the host first. */
+ * the next layer (or the final norm) reads -- into its slice of eng->taps
+ * [T, n_taps, H], on the backend (a graph captures it). */
 static m3_status capture_tap(m3_engine *eng, const m3_step *st, int li) {
-    int T = st->rows, H = eng->cfg.hidden_size, k = eng->n_taps;
-    size_t R = (size_t)T;
-    uint16_t *taps = eng->tap_host;
-    const uint16_t *hid = eng->s.hidden, *res = eng->s.residual;
-    if (!eng->be->ops->host_memory) {
-        uint16_t *h = taps + (size_t)m3_engine_rows(eng) * k * H, *r = h + R * H;
-        M3_TRY(eng->be->ops->download(eng->be, h, eng->s.hidden, R * H * sizeof *h));
-        M3_TRY(eng->be->ops->download(eng->be, r, eng->s.residual, R * H * sizeof *r));
-        hid = h;
-        res = r;
-    }
-    int slot = eng->tap_of[li];
-    for (int t = 0; t < T; t++) {
-        uint16_t *dst = taps + ((size_t)t * k + slot) * H;
-        for (int i = 0; i < H; i++)
-            dst[i] = m3_f32_to_bf16(m3_bf16_to_f32(hid[(size_t)t * H + i]) +
-                                    m3_bf16_to_f32(res[(size_t)t * H + i]));
-    }
-    return M3_OK;
+    int64_t H = eng->cfg.hidden_size, k = eng->n_taps;
+    return eng->be->ops->add_rows(eng->be, st->rows, (int)H, eng->s.hidden, eng->s.residual,
+                                  k * H, eng->taps + eng->tap_of[li] * H);
 }
 
 m3_status m3_forward_device(m3_engine *eng, const m3_step *st, int n_out) {

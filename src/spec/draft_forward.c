@@ -35,8 +35,8 @@ m3_status m3_drafter_extend(m3_drafter *d, int rows) {
     const m3_config *a = &d->cfg.attn;
     int H = a->hidden_size, D = a->head_dim, Nkv = a->num_kv_heads;
     m3_rope rope = {a->rotary_dim, a->rope_theta};
-    M3_TRY(op->upload(be, r->taps, e->tap_host, (size_t)rows * d->cfg.n_taps * H * 2));
-    M3_TRY(op->linear(be, rows, r->taps, &d->bw.fc, M3_DT_BF16, r->ctx_u));
+    /* the step's taps [rows, k*H], on this backend already */
+    M3_TRY(op->linear(be, rows, e->taps, &d->bw.fc, M3_DT_BF16, r->ctx_u));
     M3_TRY(op->add_rmsnorm(be, rows, H, NULL, r->ctx_u, &d->bw.hidden_norm, a->rms_norm_eps,
                            r->ctx_h));
     for (int i = 0; i < a->num_layers; i++) {

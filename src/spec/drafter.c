@@ -205,7 +205,7 @@ static m3_status alloc_run(m3_drafter *d, m3_backend *be) {
         void **p;
         size_t bytes;
     } bufs[] = {
-        {(void **)&r->taps, R * d->cfg.n_taps * H * 2}, {(void **)&r->ctx_u, R * H * 2},
+        {(void **)&r->ctx_u, R * H * 2},
         {(void **)&r->ctx_h, R * H * 2},    {(void **)&r->ctx_k, R * Nkv * D * 2},
         {(void **)&r->ctx_v, R * Nkv * D * 2}, {(void **)&r->tokens, B * 4},
         {(void **)&r->positions, B * 8},    {(void **)&r->hidden, B * H * 2},
@@ -345,7 +345,7 @@ void m3_drafter_detach(m3_drafter *d) {
     d->n_owned = 0;
     free(d->bw.layers);
     memset(&d->bw, 0, sizeof d->bw);
-    void *bufs[] = {r->taps, r->ctx_u, r->ctx_h, r->ctx_k, r->ctx_v, r->tokens, r->positions,
+    void *bufs[] = {r->ctx_u, r->ctx_h, r->ctx_k, r->ctx_v, r->tokens, r->positions,
                     r->hidden, r->residual, r->x, r->o, r->final, r->q, r->attn, r->k, r->v,
                     r->gate, r->up, r->act, r->logits, r->w1_row, r->bias, r->pages,
                     r->drafts};

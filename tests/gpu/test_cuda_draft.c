@@ -13,9 +13,11 @@
  *    same token, the token's word poisoned first.
  * 3. Whole runs on the tiny preset: speculative decoding on the GPU gives
  *    plain greedy decoding's tokens on the same GPU (both stock: a step with
- *    taps runs stock), for a random drafter and a windowed one; and the
- *    GPU's draft logits agree with the CPU's for the same run within bf16
- *    noise. (The acceptance rule is host code, driven through every branch
+ *    taps runs stock), for a random drafter and a windowed one; the GPU's
+ *    draft logits agree with the CPU's for the same run within bf16 noise;
+ *    and the run whose verify steps replay CUDA graphs (taps and all) gives
+ *    the same tokens and draft logits, bit for bit, as the same run on an
+ *    engine without graphs. (The acceptance rule is host code, driven through every branch
  *    by the CPU's test_speculate; here drafts are accepted only where the
  *    random models happen to agree.)
  */
@@ -228,9 +230,10 @@ static void test_argmax(void) {
 #define N_PROMPT 300
 #define N_GEN 24
 
-static m3_engine *engine(m3_model *m, m3_device dev) {
+static m3_engine *engine(m3_model *m, m3_device dev, bool graphs) {
     m3_engine_opts o = m3_engine_defaults();
     o.device = dev;
+    o.graphs = graphs;
     o.threads = 4;
     o.max_rows = 64;
     o.max_seqs = 1;
@@ -273,22 +276,36 @@ static void run_case(const char *what, m3_model *m, const char *draft_dir) {
         return;
     }
     int V = m3_model_config(m)->vocab_size, B = m3_drafter_block(d);
-    int32_t prompt[N_PROMPT], plain[N_GEN], gpu_tok[N_GEN], cpu_tok[N_GEN];
+    int32_t prompt[N_PROMPT], plain[N_GEN], gpu_tok[N_GEN], cpu_tok[N_GEN], eager_tok[N_GEN];
     for (int i = 0; i < N_PROMPT; i++)
         prompt[i] = (int32_t)((i * 41 + 3) % V);
-    m3_engine *eg = engine(m, M3_DEVICE_CUDA), *ec = engine(m, M3_DEVICE_CPU);
+    m3_engine *eg = engine(m, M3_DEVICE_CUDA, true), *ec = engine(m, M3_DEVICE_CPU, false);
+    m3_engine *ee = engine(m, M3_DEVICE_CUDA, false);
     gpu_trace t;
-    bool ok = eg && ec && gpu_trace_init(&t, N_GEN, V);
+    bool ok = eg && ec && ee && gpu_trace_init(&t, N_GEN, V);
     ok = ok && !gpu_generate(eg, prompt, N_PROMPT, &t);
     if (ok)
         memcpy(plain, t.tok, sizeof plain);
-    int gs = 0, cs = 0;
+    int gs = 0, cs = 0, es = 0;
+    int64_t replays0 = eg ? m3_engine_get_stats(eg).graph_replays : 0;
     printf("%s, GPU:\n", what);
     float *gl = ok ? spec_run(eg, d, prompt, gpu_tok, &gs) : NULL;
+    int64_t replays = eg ? m3_engine_get_stats(eg).graph_replays - replays0 : 0;
+    printf("%s, GPU without graphs:\n", what);
+    float *el = ok ? spec_run(ee, d, prompt, eager_tok, &es) : NULL;
     printf("%s, CPU:\n", what);
     float *cl = ok ? spec_run(ec, d, prompt, cpu_tok, &cs) : NULL;
-    ok = ok && gl && cl;
+    ok = ok && gl && cl && el;
     bool same = ok && !memcmp(plain, gpu_tok, sizeof plain);
+    /* verify steps replayed from graphs (their taps written inside them)
+     * against the same run stepped eagerly: the same bits */
+    bool graph_same = ok && gs == es && !memcmp(gpu_tok, eager_tok, sizeof gpu_tok) &&
+                      !memcmp(gl, el, (size_t)gs * B * V * sizeof *gl);
+    printf("%s: graphs vs eager: %lld verify steps replayed, tokens and draft logits %s: %s\n",
+           what, (long long)replays, graph_same ? "bit-identical" : "DIFFER",
+           graph_same && replays > 0 ? "PASS" : "FAIL");
+    g_cases++;
+    g_fails += !(graph_same && replays > 0);
     /* the draft logits of the steps both runs share (their anchors agree
      * while their tokens do) */
     double rel = 0;
@@ -302,8 +319,10 @@ static void run_case(const char *what, m3_model *m, const char *draft_dir) {
     g_fails += !pass;
     free(gl);
     free(cl);
-    if (eg && ec)
+    free(el);
+    if (eg && ec && ee)
         gpu_trace_free(&t);
+    m3_engine_free(ee);
     m3_engine_free(eg);
     m3_engine_free(ec);
     m3_drafter_free(d);

@@ -15,8 +15,8 @@
  *     RoPE, attention, SwiGLU, MoE): relative L2 <= 1e-2 (TOL_BF16).
  *   - fp32 outputs of the linear op: relative L2 <= 1e-5 (TOL_F32: the
  *     same products summed in another order).
- *   - copies (embed, gather_rows, cache_write, the add_rmsnorm residual,
- *     which is one bf16 addition): bit-exact.
+ *   - copies (embed, gather_rows, cache_write) and one bf16 addition (the
+ *     add_rmsnorm residual, add_rows): bit-exact.
  *   - index scores: both sides accumulate in fp64 and round once, so they
  *     must be equal element for element; mismatches are counted.
  *   - block selections (given the same scores) and greedy tokens: exact.
@@ -109,6 +109,35 @@ static void gather_case(int n_src, int dim, int n) {
     release_all();
 }
 
+/* add_rows into a slice of wider rows (a layer tap's place in the
+ * drafter's context row): each row's dim values poisoned first, the rest
+ * of the row random and left as it was */
+static void add_rows_case(int rows, int dim, int64_t stride, int64_t offset) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "rows %d dim %d stride %lld at %lld", rows, dim,
+             (long long)stride, (long long)offset);
+    int64_t n = (int64_t)rows * dim, n_out = (int64_t)rows * stride;
+    uint16_t *a = rand_bf16(n, 1.0f), *b = rand_bf16(n, 1.0f);
+    uint16_t *ref = rand_bf16(n_out, 1.0f);
+    for (int t = 0; t < rows; t++)
+        for (int i = 0; i < dim; i++)
+            ref[t * stride + offset + i] = BF16_NAN;
+    uint16_t *prev = hdup(ref, (size_t)n_out * 2);
+    cpu_must(g_cpu->ops->add_rows(g_cpu, rows, dim, a, b, stride, ref + offset), "CPU add_rows");
+    uint16_t *out = dev_buf(prev, (size_t)n_out * 2);
+    m3_status st = gpu_done(g_gpu->ops->add_rows(g_gpu, rows, dim, dev_from(a, (size_t)n * 2),
+                                                 dev_from(b, (size_t)n * 2), stride, out + offset));
+    if (st) {
+        report_error("add_rows", shape, st);
+    } else {
+        bool guard;
+        uint16_t *got = dev_fetch(out, (size_t)n_out * 2, &guard);
+        cmp c = compare_bf16(got, ref, n_out);
+        report("add_rows", shape, &c, EXACT, guard, " (wrote past the end)");
+    }
+    release_all();
+}
+
 static void test_embed_gather(void) {
     embed_case(1000, 1024, 1);
     embed_case(8192, 1024, 16);
@@ -116,6 +145,9 @@ static void test_embed_gather(void) {
     gather_case(16, 1024, 1);
     gather_case(700, 1024, 16);
     gather_case(300, 6144, 37);
+    add_rows_case(1, 1024, 1024, 0);
+    add_rows_case(8, 6144, 3 * 6144, 6144);
+    add_rows_case(37, 1000, 2 * 1000, 1000);
 }
 
 /* ------------------------------------------------------------ add_rmsnorm */
