@@ -326,6 +326,7 @@ typedef struct m3_spec_stats {
      * as its context) and in the target's verify steps (the step, its
      * logits and the acceptance): per cycle, what a cycle's time is made of */
     double draft_seconds, verify_seconds;
+    int64_t draft_replays; /* draft steps replayed from a CUDA graph */
     int n_steps;
     m3_spec_step *steps;
     float *draft_logits;
@@ -335,8 +336,9 @@ void m3_spec_stats_free(m3_spec_stats *s);
 /* m3_generate with the drafter proposing and the target verifying (greedy
  * only: a temperature above 0 is refused). The engine's max_rows must hold
  * B + 1 rows; on GPUs it must be TP 1 for now (the CPU runs any TP, the
- * drafter whole on rank 0). Its steps then run stock and eagerly. stats
- * may be NULL. */
+ * drafter whole on rank 0). Its steps then run stock; on CUDA with graphs
+ * its verify steps and the drafter's steps replay CUDA graphs. stats may
+ * be NULL. */
 m3_status m3_generate_speculative(m3_engine *eng, m3_drafter *d, const int32_t *prompt,
                                   int n_prompt, const m3_gen_opts *opts, m3_gen_result *out,
                                   m3_spec_stats *stats);

@@ -149,7 +149,9 @@ typedef struct m3_backend_ops {
                            float scale, uint16_t *out);
 
     /* The DSpark drafter's attention (docs/DSPARK.md; NULL: the backend
-     * has none): query rows q [rows, q_heads, dim] at positions p + t, each
+     * has none): query rows q [rows, q_heads, dim] at positions p + t, where
+     * p = pos[0] (backend memory, >= 0: the block's first position, read by
+     * the op, so a graph of the draft step serves every position), each
      * over the context keys of kcache / vcache (the drafter's paged cache,
      * [pages, kv_heads, 128, dim], block table `pages`) at positions
      * [max(0, p + t - window + 1) with a window, else 0, p), then over every
@@ -158,8 +160,8 @@ typedef struct m3_backend_ops {
     m3_status (*draft_attention)(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
                                  const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
                                  const uint16_t *kcache, const uint16_t *vcache,
-                                 const int32_t *pages, int64_t p, int64_t window, float scale,
-                                 uint16_t *out);
+                                 const int32_t *pages, const int64_t *pos, int64_t window,
+                                 float scale, uint16_t *out);
 
     /* The DSpark drafter's Markov step (docs/DSPARK.md; NULL: the backend
      * has none): row[v] += bias[v] (fp32, written back; bias NULL: the row

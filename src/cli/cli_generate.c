@@ -216,6 +216,7 @@ static cJSON *spec_json(const m3_spec_stats *s, int block) {
     cJSON_AddNumberToObject(o, "acceptance_length",
                             s->cycles ? (double)(s->accepted + s->cycles) / s->cycles : 0);
     cJSON_AddNumberToObject(o, "draft_seconds", s->draft_seconds);
+    cJSON_AddNumberToObject(o, "draft_replays", (double)s->draft_replays);
     cJSON_AddNumberToObject(o, "verify_seconds", s->verify_seconds);
     cJSON *steps = cJSON_AddArrayToObject(o, "steps");
     for (int i = 0; i < s->n_steps; i++) {

@@ -13,8 +13,8 @@
  * below the memory's rate; a draft step's 7 rows over a few thousand keys
  * take microseconds against the layers' GEMVs. The arithmetic is fp32 with
  * its own order, so tests compare it with the CPU's within bf16 tolerance.
- * Capturable (cu->stream only, nothing else), though the drafter runs
- * eagerly.
+ * Capturable (cu->stream only, nothing else; the block's position read
+ * from device memory), so the draft step replays a graph.
  *
  * draft_argmax, the Markov head's step: the bias added to the row in one
  * elementwise kernel, the argmax by the greedy sampler's kernels
@@ -36,7 +36,8 @@ constexpr int kDraftWarps = kDraftThreads / 32;
 struct DraftArgs {
     const uint16_t *q, *bk, *bv, *kc, *vc;
     const int32_t *pages;
-    int64_t p, window;
+    const int64_t *pos; /* pos[0]: the block's first position */
+    int64_t window;
     int rows, q_heads, kv_heads;
     float scale;
     uint16_t *out;
@@ -63,12 +64,13 @@ __global__ void __launch_bounds__(kDraftThreads) draft_attention_kernel(const Dr
     const int t = blockIdx.x / a.q_heads, h = blockIdx.x % a.q_heads;
     const int g = h / (a.q_heads / a.kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t p = max(__ldg(a.pos), (int64_t)0);
     int64_t lo = 0;
-    if (a.window > 0 && a.p + t - a.window + 1 > 0)
-        lo = a.p + t - a.window + 1;
-    if (lo > a.p)
-        lo = a.p;
-    const int64_t n_ctx = a.p - lo, n = n_ctx + a.rows;
+    if (a.window > 0 && p + t - a.window + 1 > 0)
+        lo = p + t - a.window + 1;
+    if (lo > p)
+        lo = p;
+    const int64_t n_ctx = p - lo, n = n_ctx + a.rows;
     float q[E], acc[E];
     const uint16_t *qrow = a.q + ((int64_t)t * a.q_heads + h) * D + lane * E;
 #pragma unroll
@@ -152,16 +154,18 @@ extern "C" m3_status m3_cuda_draft_attention(m3_backend *be, int rows, int q_hea
                                              int dim, const uint16_t *q, const uint16_t *bk,
                                              const uint16_t *bv, const uint16_t *kcache,
                                              const uint16_t *vcache, const int32_t *pages,
-                                             int64_t p, int64_t window, float scale,
+                                             const int64_t *pos, int64_t window, float scale,
                                              uint16_t *out) {
     m3_cuda *cu = m3_cuda_of(be);
-    if (rows < 1 || p < 0 || window < 0 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads)
-        return m3_fail(M3_ERR_INVALID_ARG, "draft attention: %d rows at position %lld, window "
-                       "%lld, %d / %d heads", rows, (long long)p, (long long)window, q_heads,
-                       kv_heads);
+    /* (pos[0] is in device memory: the caller checked it; a negative one
+     * reads no context) */
+    if (rows < 1 || !pos || window < 0 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads)
+        return m3_fail(M3_ERR_INVALID_ARG, "draft attention: %d rows, window %lld, %d / %d "
+                       "heads, positions %s", rows, (long long)window, q_heads, kv_heads,
+                       pos ? "given" : "missing");
     if ((int64_t)rows * q_heads > INT32_MAX)
         return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %d rows x %d heads", rows, q_heads);
-    DraftArgs a = {q, bk, bv, kcache, vcache, pages, p, window, rows, q_heads, kv_heads, scale,
+    DraftArgs a = {q, bk, bv, kcache, vcache, pages, pos, window, rows, q_heads, kv_heads, scale,
                    out};
     const unsigned grid = (unsigned)(rows * q_heads);
     switch (dim) {

@@ -55,7 +55,7 @@ m3_status m3_drafter_extend(m3_drafter *d, int rows) {
 
 /* The B rows through the draft layers and the target's final head:
  * r->logits [B, V] (backend memory), before the Markov bias. */
-static m3_status draft_rows(m3_drafter *d, int64_t p) {
+static m3_status draft_rows(m3_drafter *d) {
     m3_draft_run *r = &d->run;
     m3_engine *e = r->eng;
     const m3_backend_ops *op = e->be->ops;
@@ -79,7 +79,7 @@ static m3_status draft_rows(m3_drafter *d, int64_t p) {
         M3_TRY(op->head_norm_rope(be, B, Nkv, D, r->k, (int64_t)Nkv * D, &L->k_norm, eps,
                                   r->positions, &rope));
         M3_TRY(op->draft_attention(be, B, Nq, Nkv, D, r->q, r->k, r->v, r->k_cache[i],
-                                   r->v_cache[i], r->pages, p, d->cfg.window,
+                                   r->v_cache[i], r->pages, r->positions, d->cfg.window,
                                    (float)(1.0 / sqrt((double)D)), r->attn));
         M3_TRY(op->linear(be, B, r->attn, &L->o_proj, M3_DT_BF16, r->o));
         M3_TRY(op->add_rmsnorm(be, B, H, r->o, r->residual, &L->post_norm, eps, r->x));
@@ -93,6 +93,53 @@ static m3_status draft_rows(m3_drafter *d, int64_t p) {
     return op->linear(be, B, r->final, &head, M3_DT_F32, r->logits);
 }
 
+/* The draft step from its inputs in backend memory (r->tokens, positions,
+ * pages and drafts[0], the anchor) to the B drafts in r->drafts + 1: the
+ * rows through the draft layers and the head, then the Markov head row by
+ * row: row j += W2 . W1[prev_j] (fp32), its argmax is prev_{j+1}; the
+ * drafts stay in backend memory until all B are chosen (a GPU step does
+ * not wait for the host between rows). */
+static m3_status draft_step(m3_drafter *d) {
+    m3_draft_run *r = &d->run;
+    const m3_backend_ops *op = r->eng->be->ops;
+    m3_backend *be = r->eng->be;
+    int B = d->cfg.block, V = d->cfg.vocab_size, R = d->cfg.markov_rank;
+    M3_TRY(draft_rows(d));
+    m3_linear w2 = {d->bw.markov_w2, {0}, 0, 0};
+    for (int j = 0; j < B; j++) {
+        float *row = r->logits + (size_t)j * V;
+        if (R) {
+            M3_TRY(op->gather_rows(be, 1, r->drafts + j, R,
+                                   (const uint16_t *)d->bw.markov_w1.data, r->w1_row));
+            M3_TRY(op->linear(be, 1, r->w1_row, &w2, M3_DT_F32, r->bias));
+        }
+        M3_TRY(op->draft_argmax(be, V, row, R ? r->bias : NULL, r->drafts + j + 1));
+    }
+    return M3_OK;
+}
+
+/* The draft step, from a graph where the engine replays its steps from
+ * graphs: its launches do not change from step to step (the position is
+ * read from r->positions), so the first step runs eagerly (sizing every
+ * workspace), is then captured, and later steps replay the capture. */
+static m3_status run_draft_step(m3_drafter *d) {
+    m3_draft_run *r = &d->run;
+    m3_backend *be = r->eng->be;
+    if (!r->eng->graphs)
+        return draft_step(d);
+    if (r->graph) {
+        M3_TRY(be->ops->graph_launch(be, r->graph));
+        r->replays++;
+        return M3_OK;
+    }
+    M3_TRY(draft_step(d));
+    M3_TRY(be->ops->graph_begin(be));
+    m3_status cap = draft_step(d);
+    m3_status end = be->ops->graph_end(be, cap == M3_OK, &r->graph);
+    M3_TRY(cap);
+    return end;
+}
+
 m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t anchor,
                              int32_t *drafts, float *logits) {
     m3_draft_run *r = &d->run;
@@ -101,7 +148,7 @@ m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t ancho
         return m3_fail(M3_ERR_INVALID_ARG, "the drafter is not bound to an engine");
     M3_TRY(m3_cache_seq_check(&e->cache, seq));
     const m3_seq_state *ss = &e->cache.seqs[seq];
-    int B = d->cfg.block, V = d->cfg.vocab_size, R = d->cfg.markov_rank;
+    int B = d->cfg.block, V = d->cfg.vocab_size;
     if (p < 0 || p > ss->len)
         return m3_fail(M3_ERR_INVALID_ARG, "draft step at position %lld: the sequence holds %lld",
                        (long long)p, (long long)ss->len);
@@ -120,20 +167,7 @@ m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t ancho
     M3_TRY(op->upload(be, r->positions, positions, (size_t)B * sizeof *positions));
     M3_TRY(op->upload(be, r->pages, ss->pages, (size_t)ss->n_blocks * sizeof *ss->pages));
     M3_TRY(op->upload(be, r->drafts, &anchor, sizeof anchor));
-    M3_TRY(draft_rows(d, p));
-    /* row by row on the backend: row j += W2 . W1[prev_j] (fp32), then its
-     * argmax is prev_{j+1}; the drafts stay in backend memory until all B
-     * are chosen (a GPU step does not wait for the host between rows) */
-    m3_linear w2 = {d->bw.markov_w2, {0}, 0, 0};
-    for (int j = 0; j < B; j++) {
-        float *row = r->logits + (size_t)j * V;
-        if (R) {
-            M3_TRY(op->gather_rows(be, 1, r->drafts + j, R,
-                                   (const uint16_t *)d->bw.markov_w1.data, r->w1_row));
-            M3_TRY(op->linear(be, 1, r->w1_row, &w2, M3_DT_F32, r->bias));
-        }
-        M3_TRY(op->draft_argmax(be, V, row, R ? r->bias : NULL, r->drafts + j + 1));
-    }
+    M3_TRY(run_draft_step(d));
     M3_TRY(op->download(be, drafts, r->drafts + 1, (size_t)B * sizeof *drafts));
     if (logits)
         M3_TRY(op->download(be, logits, r->logits, (size_t)B * V * sizeof *logits));

@@ -334,6 +334,8 @@ void m3_drafter_detach(m3_drafter *d) {
     if (!r->eng)
         return;
     m3_backend *be = r->eng->be;
+    if (r->graph) /* (it holds the buffers below) */
+        be->ops->graph_free(be, r->graph);
     for (int i = 0; r->k_cache && i < 2 * d->cfg.attn.num_layers; i++)
         if (r->k_cache[i])
             be->ops->release(be, r->k_cache[i]);

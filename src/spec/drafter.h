@@ -47,6 +47,8 @@ typedef struct m3_draft_run {
     int64_t n_pages;                 /* the engine's page pool */
     int max_blocks;                  /* its block table width */
     uint16_t **k_cache, **v_cache;   /* [layers] x [pages, Nkv, 128, D] */
+    void *graph;                     /* the draft step's CUDA graph (run_draft_step) */
+    int64_t replays;                 /* draft steps replayed from it */
     uint16_t *ctx_u, *ctx_h;         /* [R, H]: fc output, its norm */
     uint16_t *ctx_k, *ctx_v;         /* [R, Nkv*D] */
     int32_t *tokens;                 /* [B] */

@@ -234,7 +234,9 @@ m3_status m3_generate_speculative(m3_engine *e, m3_drafter *d, const int32_t *pr
                        "options and result are required");
     M3_TRY(m3_drafter_attach(d, e));
     m3_proposer pr = {d->cfg.block, d, drafter_extend, drafter_propose};
+    int64_t replays = d->run.replays;
     m3_status st = m3_speculate(e, &pr, prompt, n_prompt, opts, res, stats);
+    stats->draft_replays = d->run.replays - replays;
     m3_drafter_detach(d);
     return st;
 }

@@ -15,9 +15,9 @@
  *    plain greedy decoding's tokens on the same GPU (both stock: a step with
  *    taps runs stock), for a random drafter and a windowed one; the GPU's
  *    draft logits agree with the CPU's for the same run within bf16 noise;
- *    and the run whose verify steps replay CUDA graphs (taps and all) gives
- *    the same tokens and draft logits, bit for bit, as the same run on an
- *    engine without graphs. (The acceptance rule is host code, driven through every branch
+ *    and the run whose verify steps and draft steps replay CUDA graphs
+ *    (taps and all) gives the same tokens and draft logits, bit for bit,
+ *    as the same run on an engine without graphs. (The acceptance rule is host code, driven through every branch
  *    by the CPU's test_speculate; here drafts are accepted only where the
  *    random models happen to agree.)
  */
@@ -78,17 +78,20 @@ static void op_case(int rows, int q_heads, int kv_heads, int dim, int64_t p, int
     uint16_t *q = rand_bf16(qn), *bk = rand_bf16(bn), *bv = rand_bf16(bn);
     uint16_t *kc = rand_bf16(cn), *vc = rand_bf16(cn), *ref = gpu_xmalloc((size_t)qn * 2);
     float scale = (float)(1.0 / sqrt((double)dim));
+    int64_t *pos = gpu_xmalloc((size_t)rows * 8); /* the rows' positions (the op reads pos[0]) */
+    for (int t = 0; t < rows; t++)
+        pos[t] = p + t;
     if (g_cpu->ops->draft_attention(g_cpu, rows, q_heads, kv_heads, dim, q, bk, bv, kc, vc, pages,
-                                    p, window, scale, ref)) {
+                                    pos, window, scale, ref)) {
         fprintf(stderr, "test_cuda_draft: FATAL: the CPU op: %s\n", m3_last_error());
         exit(1);
     }
     void *dq = up(q, (size_t)qn * 2, 0), *dbk = up(bk, (size_t)bn * 2, 0);
     void *dbv = up(bv, (size_t)bn * 2, 0), *dkc = up(kc, (size_t)cn * 2, 0);
     void *dvc = up(vc, (size_t)cn * 2, 0), *dpages = up(pages, (size_t)(n_blocks + 1) * 4, 0);
-    void *dout = up(NULL, (size_t)qn * 2, GUARD);
+    void *dout = up(NULL, (size_t)qn * 2, GUARD), *dpos = up(pos, (size_t)rows * 8, 0);
     m3_status st = g_gpu->ops->draft_attention(g_gpu, rows, q_heads, kv_heads, dim, dq, dbk, dbv,
-                                               dkc, dvc, dpages, p, window, scale, dout);
+                                               dkc, dvc, dpages, dpos, window, scale, dout);
     if (!st)
         st = g_gpu->ops->sync(g_gpu);
     char shape[128];
@@ -120,10 +123,11 @@ static void op_case(int rows, int q_heads, int kv_heads, int dim, int64_t p, int
         free(g);
         free(r);
     }
-    void *dev[] = {dq, dbk, dbv, dkc, dvc, dpages, dout};
+    void *dev[] = {dq, dbk, dbv, dkc, dvc, dpages, dout, dpos};
     for (size_t i = 0; i < sizeof dev / sizeof *dev; i++)
         g_gpu->ops->release(g_gpu, dev[i]);
     free(pages);
+    free(pos);
     free(q);
     free(bk);
     free(bv);
@@ -247,7 +251,7 @@ static m3_engine *engine(m3_model *m, m3_device dev, bool graphs) {
 
 /* draft logits [steps, B, V] of a speculative run; NULL on failure */
 static float *spec_run(m3_engine *e, m3_drafter *d, const int32_t *prompt, int32_t *tokens,
-                       int *n_steps) {
+                       int *n_steps, int64_t *draft_replays) {
     m3_gen_opts go = m3_gen_defaults();
     go.max_new_tokens = N_GEN;
     go.stop_at_eos = false;
@@ -264,6 +268,7 @@ static float *spec_run(m3_engine *e, m3_drafter *d, const int32_t *prompt, int32
     free(res.tokens);
     free(s.steps);
     *n_steps = s.n_steps;
+    *draft_replays = s.draft_replays;
     return s.draft_logits;
 }
 
@@ -287,25 +292,31 @@ static void run_case(const char *what, m3_model *m, const char *draft_dir) {
     if (ok)
         memcpy(plain, t.tok, sizeof plain);
     int gs = 0, cs = 0, es = 0;
+    int64_t draft_replays = 0, eager_draft_replays = 0, cpu_draft_replays = 0;
     int64_t replays0 = eg ? m3_engine_get_stats(eg).graph_replays : 0;
     printf("%s, GPU:\n", what);
-    float *gl = ok ? spec_run(eg, d, prompt, gpu_tok, &gs) : NULL;
+    float *gl = ok ? spec_run(eg, d, prompt, gpu_tok, &gs, &draft_replays) : NULL;
     int64_t replays = eg ? m3_engine_get_stats(eg).graph_replays - replays0 : 0;
     printf("%s, GPU without graphs:\n", what);
-    float *el = ok ? spec_run(ee, d, prompt, eager_tok, &es) : NULL;
+    float *el = ok ? spec_run(ee, d, prompt, eager_tok, &es, &eager_draft_replays) : NULL;
     printf("%s, CPU:\n", what);
-    float *cl = ok ? spec_run(ec, d, prompt, cpu_tok, &cs) : NULL;
+    float *cl = ok ? spec_run(ec, d, prompt, cpu_tok, &cs, &cpu_draft_replays) : NULL;
     ok = ok && gl && cl && el;
     bool same = ok && !memcmp(plain, gpu_tok, sizeof plain);
-    /* verify steps replayed from graphs (their taps written inside them)
-     * against the same run stepped eagerly: the same bits */
+    /* verify steps (their taps written inside them) and draft steps
+     * replayed from graphs against the same run stepped eagerly: the same
+     * bits; the engines without graphs replayed nothing */
     bool graph_same = ok && gs == es && !memcmp(gpu_tok, eager_tok, sizeof gpu_tok) &&
                       !memcmp(gl, el, (size_t)gs * B * V * sizeof *gl);
-    printf("%s: graphs vs eager: %lld verify steps replayed, tokens and draft logits %s: %s\n",
-           what, (long long)replays, graph_same ? "bit-identical" : "DIFFER",
-           graph_same && replays > 0 ? "PASS" : "FAIL");
+    bool replayed = replays > 0 && draft_replays > 0 && !eager_draft_replays &&
+                    !cpu_draft_replays;
+    printf("%s: graphs vs eager: %lld verify and %lld draft steps replayed (eager %lld, CPU "
+           "%lld), tokens and draft logits %s: %s\n",
+           what, (long long)replays, (long long)draft_replays, (long long)eager_draft_replays,
+           (long long)cpu_draft_replays, graph_same ? "bit-identical" : "DIFFER",
+           graph_same && replayed ? "PASS" : "FAIL");
     g_cases++;
-    g_fails += !(graph_same && replays > 0);
+    g_fails += !(graph_same && replayed);
     /* the draft logits of the steps both runs share (their anchors agree
      * while their tokens do) */
     double rel = 0;
