@@ -587,19 +587,16 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
 
 /* The graph bucket of a step of `rows` rows whose logits are those of
  * out_rows (n_out of them), or -1: a decode step (one token per request,
- * each after a prefill), padded up to its bucket's width; or, at TP 1, one
- * request extending its sequence by 2..16 rows that wants every row's
- * logits in order, as a graph computes them (the verify step of
- * speculative decoding). Every launch of such a step is sized by its row
+ * each after a prefill: `decode`), padded up to its bucket's width; or,
+ * at TP 1, one request extending its sequence by 2..16 rows that wants
+ * every row's logits in order, as a graph computes them (the verify step
+ * of speculative decoding). Every launch of such a step is sized by its row
  * count and capacities alone (cuda/cuda_internal.h), so one capture
  * serves every replay of the same shape. */
-static int graph_bucket(const m3_engine *e, const m3_request *reqs, int n_reqs, int rows,
-                        const int32_t *out_rows, int n_out) {
+static int graph_bucket(const m3_engine *e, const m3_request *reqs, int n_reqs, bool decode,
+                        int rows, const int32_t *out_rows, int n_out) {
     if (!e->graphs || rows > M3_GRAPH_MAX_ROWS)
         return -1;
-    bool decode = true;
-    for (int q = 0; q < n_reqs; q++)
-        decode = decode && reqs[q].n_tokens == 1 && e->cache.seqs[reqs[q].seq].len > 0;
     if (decode) {
         int b = 0;
         while ((1 << b) < rows)
@@ -664,7 +661,7 @@ static m3_status step_forward(m3_engine *e, const m3_request *reqs, int n_reqs,
         bool decode = true;
         for (int q = 0; q < n_reqs; q++)
             decode = decode && reqs[q].n_tokens == 1 && e->cache.seqs[reqs[q].seq].len > 0;
-        bucket = graph_bucket(e, reqs, n_reqs, rows, out_rows, n_out);
+        bucket = graph_bucket(e, reqs, n_reqs, decode, rows, out_rows, n_out);
         int padded = bucket >= M3_GRAPH_DECODE_BUCKETS ? rows : bucket >= 0 ? 1 << bucket : rows;
         if (bucket < 0 && decode && e->mono && !e->n_taps && m3_mono_width(e->mono, rows) > 0)
             padded = m3_mono_width(e->mono, rows); /* the mono path's compiled widths */
