@@ -103,7 +103,9 @@ static inline int m3_engine_rows(const m3_engine *e) {
 m3_status m3_gen_check(const m3_engine *eng, int n_prompt, const m3_gen_opts *opts);
 bool m3_config_is_eos(const m3_config *c, int32_t token);
 
-/* Tap layers[0..n) on every later step of a TP 1 engine (n = 0: none). */
+/* Tap layers[0..n) on every later step of a TP 1 engine (n = 0: none):
+ * the taps go to eng->taps in backend memory; the engine's captured graphs
+ * are freed, since they were captured with the old taps (or none). */
 m3_status m3_engine_set_taps(m3_engine *eng, const int *layers, int n);
 
 /* Resolve opts->decode == M3_DECODE_DEFAULT into the path it stands for
