@@ -110,6 +110,9 @@ static m3_status cpu_gather_rows(m3_backend *be, int n, const int32_t *idx, int 
 static m3_status cpu_add_rows(m3_backend *be, int rows, int dim, const uint16_t *a,
                               const uint16_t *b, int64_t out_stride, uint16_t *out) {
     (void)be;
+    if (rows > 0 && out_stride < dim)
+        return m3_fail(M3_ERR_INTERNAL, "add_rows: out_stride %lld is below the row width %d",
+                       (long long)out_stride, dim);
     for (int t = 0; t < rows; t++)
         for (int i = 0; i < dim; i++) {
             int64_t k = (int64_t)t * dim + i;

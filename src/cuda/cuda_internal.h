@@ -141,8 +141,8 @@ m3_status m3_cuda_attention(m3_backend *be, const m3_step *step, int q_heads, in
 m3_status m3_cuda_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
                                   const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
                                   const uint16_t *kcache, const uint16_t *vcache,
-                                  const int32_t *pages, const int64_t *pos, int64_t window, float scale,
-                                  uint16_t *out);
+                                  const int32_t *pages, const int64_t *pos, int64_t window,
+                                  float scale, uint16_t *out);
 m3_status m3_cuda_draft_argmax(m3_backend *be, int vocab, float *row, const float *bias,
                                int32_t *token);
 /* cuda_linear.cu */
