@@ -9,10 +9,11 @@
  * per (row, query head), four warps taking every fourth key, each lane
  * holding D / 32 of the head's dims; a warp keeps an online softmax (fp32)
  * over its keys, and the four merge at the end. Every query head of a KV
- * group reads the group's keys again (16 times on M3), so it streams well
- * below the memory's rate; a draft step's 7 rows over a few thousand keys
- * take microseconds against the layers' GEMVs. The arithmetic is fp32 with
- * its own order, so tests compare it with the CPU's within bf16 tolerance.
+ * group reads the group's keys again (16 times on M3), and a warp has one
+ * key's K, then its V, in flight: over a 1K context this takes ~0.25 ms of
+ * a draft layer's ~0.45 on an H100 (docs/PERF.md, forty-first session).
+ * The arithmetic is fp32 with its own order, so tests compare it with the
+ * CPU's within bf16 tolerance.
  * Capturable (cu->stream only, nothing else; the block's position read
  * from device memory), so the draft step replays a graph.
  *

@@ -662,7 +662,7 @@ static m3_status step_forward(m3_engine *e, const m3_request *reqs, int n_reqs,
         for (int q = 0; q < n_reqs; q++)
             decode = decode && reqs[q].n_tokens == 1 && e->cache.seqs[reqs[q].seq].len > 0;
         bucket = graph_bucket(e, reqs, n_reqs, decode, rows, out_rows, n_out);
-        int padded = bucket >= M3_GRAPH_DECODE_BUCKETS ? rows : bucket >= 0 ? 1 << bucket : rows;
+        int padded = bucket >= 0 && bucket < M3_GRAPH_DECODE_BUCKETS ? 1 << bucket : rows;
         if (bucket < 0 && decode && e->mono && !e->n_taps && m3_mono_width(e->mono, rows) > 0)
             padded = m3_mono_width(e->mono, rows); /* the mono path's compiled widths */
         st = build_step(e, reqs, n_reqs, rows, padded);

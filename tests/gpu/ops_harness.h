@@ -243,6 +243,20 @@ static void report_error(const char *op, const char *shape, m3_status st) {
     count(op, false, NULL);
 }
 
+/* The verdict on a bf16 output of n values in a dev_buf: the op's error,
+ * or its values against ref and its guard bytes. */
+static void report_bf16_out(const char *op, const char *shape, m3_status st, const void *out,
+                            const uint16_t *ref, int64_t n, double tol) {
+    if (st) {
+        report_error(op, shape, st);
+        return;
+    }
+    bool guard;
+    uint16_t *got = dev_fetch(out, (size_t)n * 2, &guard);
+    cmp c = compare_bf16(got, ref, n);
+    report(op, shape, &c, tol, guard, " (wrote past the end)");
+}
+
 /* ------------------------------------------------------------ step metadata */
 
 /* A step for both backends: requests r with lens[r] tokens, the last ql[r]

@@ -76,14 +76,7 @@ static void embed_case(int V, int H, int rows) {
     m3_tensor tg = m3_tensor_make(M3_DT_BF16, 2, ne, dev_from(table, (size_t)V * H * 2));
     void *out = dev_buf(NULL, (size_t)n * 2);
     m3_status st = gpu_done(g_gpu->ops->embed(g_gpu, rows, dev_from(tok, (size_t)rows * 4), &tg, 0, out));
-    if (st) {
-        report_error("embed", shape, st);
-    } else {
-        bool guard;
-        uint16_t *got = dev_fetch(out, (size_t)n * 2, &guard);
-        cmp c = compare_bf16(got, ref, n);
-        report("embed", shape, &c, EXACT, guard, " (wrote past the end)");
-    }
+    report_bf16_out("embed", shape, st, out, ref, n, EXACT);
     release_all();
 }
 
@@ -98,14 +91,7 @@ static void gather_case(int n_src, int dim, int n) {
     void *out = dev_buf(NULL, (size_t)n * dim * 2);
     m3_status st = gpu_done(g_gpu->ops->gather_rows(g_gpu, n, dev_from(idx, (size_t)n * 4), dim,
                                                     dev_from(src, (size_t)n_src * dim * 2), out));
-    if (st) {
-        report_error("gather_rows", shape, st);
-    } else {
-        bool guard;
-        uint16_t *got = dev_fetch(out, (size_t)n * dim * 2, &guard);
-        cmp c = compare_bf16(got, ref, (int64_t)n * dim);
-        report("gather_rows", shape, &c, EXACT, guard, " (wrote past the end)");
-    }
+    report_bf16_out("gather_rows", shape, st, out, ref, (int64_t)n * dim, EXACT);
     release_all();
 }
 
@@ -127,14 +113,7 @@ static void add_rows_case(int rows, int dim, int64_t stride, int64_t offset) {
     uint16_t *out = dev_buf(prev, (size_t)n_out * 2);
     m3_status st = gpu_done(g_gpu->ops->add_rows(g_gpu, rows, dim, dev_from(a, (size_t)n * 2),
                                                  dev_from(b, (size_t)n * 2), stride, out + offset));
-    if (st) {
-        report_error("add_rows", shape, st);
-    } else {
-        bool guard;
-        uint16_t *got = dev_fetch(out, (size_t)n_out * 2, &guard);
-        cmp c = compare_bf16(got, ref, n_out);
-        report("add_rows", shape, &c, EXACT, guard, " (wrote past the end)");
-    }
+    report_bf16_out("add_rows", shape, st, out, ref, n_out, EXACT);
     release_all();
 }
 
