@@ -5,15 +5,17 @@
  * below the anchor's, optionally windowed) and then every row of the block,
  * with no causal order inside the block.
  *
- * A first version for correctness, not the fused drafter kernels: one CTA
- * per (row, query head), four warps taking every fourth key, each lane
- * holding D / 32 of the head's dims; a warp keeps an online softmax (fp32)
- * over its keys, and the four merge at the end. Every query head of a KV
- * group reads the group's keys again (16 times on M3), and a warp has one
- * key's K, then its V, in flight: over a 1K context this takes ~0.25 ms of
- * a draft layer's ~0.45 on an H100 (docs/PERF.md, forty-first session).
- * The arithmetic is fp32 with its own order, so tests compare it with the
- * CPU's within bf16 tolerance.
+ * One CTA per (row, query head), eight warps each taking runs of KB
+ * consecutive keys (every eighth run), each lane holding D / 32 of the
+ * head's dims. A warp asks for its run's page ids, then for all KB keys'
+ * K and V rows at once, and only then computes: KB loads of each in flight
+ * where the first version had one (a key's K, then its V, one dependent
+ * round trip each: ~0.25 ms a draft layer over a 1K context on an H100,
+ * docs/PERF.md, forty-first session). A warp keeps an online softmax (fp32)
+ * over its runs, rescaled once a run, and the warps merge at the end.
+ * Every query head of a KV group reads the group's keys again (from L2
+ * after the first). The arithmetic is fp32 with its own order, so tests
+ * compare it with the CPU's within bf16 tolerance.
  * Capturable (cu->stream only, nothing else; the block's position read
  * from device memory), so the draft step replays a graph.
  *
@@ -31,8 +33,49 @@
 
 namespace {
 
-constexpr int kDraftThreads = 128;
+constexpr int kDraftThreads = 256;
 constexpr int kDraftWarps = kDraftThreads / 32;
+
+/* keys a warp has in flight: fewer for wide heads, whose raw rows take
+ * twice the registers */
+template <int D>
+__host__ __device__ constexpr int draft_run() {
+    return D <= 128 ? 8 : 4;
+}
+
+/* E consecutive bf16 values (a lane's share of a row), raw, two to a word */
+template <int E>
+struct RawBf16 {
+    uint32_t w[(E + 1) / 2];
+};
+
+template <int E>
+__device__ __forceinline__ void load_raw(RawBf16<E> &r, const uint16_t *p) {
+    if constexpr (E % 4 == 0) { /* 8-byte aligned: the row's base and lane * E * 2 */
+#pragma unroll
+        for (int i = 0; i < E / 4; i++) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(p) + i);
+            r.w[2 * i] = v.x;
+            r.w[2 * i + 1] = v.y;
+        }
+    } else if constexpr (E % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < E / 2; i++)
+            r.w[i] = __ldg(reinterpret_cast<const uint32_t *>(p) + i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < (E + 1) / 2; i++)
+            r.w[i] = 0;
+#pragma unroll
+        for (int e = 0; e < E; e++)
+            r.w[e / 2] |= (uint32_t)__ldg(p + e) << (16 * (e % 2));
+    }
+}
+
+template <int E>
+__device__ __forceinline__ float raw_at(const RawBf16<E> &r, int e) {
+    return __uint_as_float(e % 2 ? r.w[e / 2] & 0xffff0000u : r.w[e / 2] << 16);
+}
 
 struct DraftArgs {
     const uint16_t *q, *bk, *bv, *kc, *vc;
@@ -59,7 +102,8 @@ __device__ __forceinline__ const uint16_t *draft_key(const DraftArgs &a, int g, 
 
 template <int D>
 __global__ void __launch_bounds__(kDraftThreads) draft_attention_kernel(const DraftArgs a) {
-    constexpr int E = D / 32; /* dims per lane */
+    constexpr int E = D / 32;            /* dims per lane */
+    constexpr int KB = draft_run<D>();   /* a run: keys in flight per warp */
     __shared__ float s_m[kDraftWarps], s_l[kDraftWarps];
     __shared__ float s_acc[kDraftWarps][D];
     const int t = blockIdx.x / a.q_heads, h = blockIdx.x % a.q_heads;
@@ -80,20 +124,47 @@ __global__ void __launch_bounds__(kDraftThreads) draft_attention_kernel(const Dr
         acc[e] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    for (int64_t i = warp; i < n; i += kDraftWarps) {
-        const uint16_t *k = draft_key<D>(a, g, lo, n_ctx, i, false) + lane * E;
-        float dot = 0.0f;
+    for (int64_t i0 = (int64_t)warp * KB; i0 < n; i0 += (int64_t)kDraftWarps * KB) {
+        /* the run's rows: page ids first (one round trip for all), then
+         * every K and V row, then the products */
+        const uint16_t *kp[KB], *vp[KB];
+#pragma unroll
+        for (int j = 0; j < KB; j++) {
+            const int64_t i = min(i0 + j, n - 1); /* past the end: a valid row, weight 0 */
+            kp[j] = draft_key<D>(a, g, lo, n_ctx, i, false) + lane * E;
+            vp[j] = draft_key<D>(a, g, lo, n_ctx, i, true) + lane * E;
+        }
+        RawBf16<E> kr[KB], vr[KB];
+#pragma unroll
+        for (int j = 0; j < KB; j++) {
+            load_raw<E>(kr[j], kp[j]);
+            load_raw<E>(vr[j], vp[j]);
+        }
+        float sc[KB];
+        float m_new = m;
+#pragma unroll
+        for (int j = 0; j < KB; j++) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; e++)
+                dot = fmaf(q[e], raw_at<E>(kr[j], e), dot);
+            sc[j] = i0 + j < n ? m3_warp_sum(dot) * a.scale : -INFINITY;
+            m_new = fmaxf(m_new, sc[j]);
+        }
+        /* m_new is finite: the run's first key exists (i0 < n) */
+        const float c = m == -INFINITY ? 0.0f : expf(m - m_new);
+        l *= c;
 #pragma unroll
         for (int e = 0; e < E; e++)
-            dot = fmaf(q[e], m3_bf(k[e]), dot);
-        const float s = m3_warp_sum(dot) * a.scale;
-        const float m_new = fmaxf(m, s);
-        const float c = m == -INFINITY ? 0.0f : expf(m - m_new), pr = expf(s - m_new);
-        l = l * c + pr;
-        const uint16_t *v = draft_key<D>(a, g, lo, n_ctx, i, true) + lane * E;
+            acc[e] *= c;
 #pragma unroll
-        for (int e = 0; e < E; e++)
-            acc[e] = acc[e] * c + pr * m3_bf(v[e]);
+        for (int j = 0; j < KB; j++) {
+            const float pr = i0 + j < n ? expf(sc[j] - m_new) : 0.0f;
+            l += pr;
+#pragma unroll
+            for (int e = 0; e < E; e++)
+                acc[e] = fmaf(pr, raw_at<E>(vr[j], e), acc[e]);
+        }
         m = m_new;
     }
     if (lane == 0) {

@@ -140,7 +140,9 @@ static void test_op(void) {
     static const int64_t positions[] = {0, 1, 127, 128, 300, 3000};
     static const struct {
         int q, kv, dim;
-    } heads[] = {{4, 2, 128}, {16, 1, 128}, {8, 8, 64}, {6, 2, 32}, {4, 4, 256}};
+    } heads[] = {{4, 2, 128}, {16, 1, 128}, {8, 8, 64}, {6, 2, 32}, {4, 4, 256},
+                 /* the kernel's other loads: 3, 5 and 6 dims a lane */
+                 {4, 2, 96},   {2, 1, 160},  {4, 1, 192}};
     for (size_t h = 0; h < sizeof heads / sizeof *heads; h++)
         for (size_t i = 0; i < sizeof positions / sizeof *positions; i++) {
             int rows = (int)(1 + (h + i) % 3 * 7) > 15 ? 15 : (int)(1 + (h + i) % 3 * 7);
