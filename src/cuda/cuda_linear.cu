@@ -1,12 +1,14 @@
 /*
- * The linear op on the GPU. Decode row counts (<= 16) use the streaming
- * GEMV of cuda_gemv.cuh, instantiated for row buckets 1, 2, 4, 8, 16 (rows
- * past the real count are zero and never stored). Larger row counts
- * (prefill) use cuBLAS for bf16 weights, and the GEMV 16 rows at a time for
- * MXFP8 weights. Shapes the vector kernels cannot take (K not a multiple of
- * 8, unaligned rows) fall back to a plain one-thread-per-output kernel, so
- * every config the SPEC allows runs. The router's fp32 weights have their
- * own small kernel.
+ * The linear op on the GPU. Decode row counts (<= 16) run on tensor cores
+ * (linear_mma_kernel below: bf16 MMAs fed straight from the weight loads,
+ * one or two 8-row column tiles), so 8-16 rows cost about what one row
+ * does, and a row's sums are the same bits at every row count and on
+ * every TP world. Larger row counts (prefill) use cuBLAS for bf16
+ * weights, and the MMA kernel 16 rows at a time for MXFP8 weights. Shapes
+ * the vector kernels cannot take (K not a multiple of 8, unaligned rows)
+ * fall back to a plain one-thread-per-output kernel, so every config the
+ * SPEC allows runs. The router's fp32 weights have their own small kernel
+ * (cuda_gemv.cuh's FFMA core still serves the MoE experts).
  */
 #include <stdio.h>
 
@@ -15,7 +17,7 @@
 
 /* The decode linear on tensor cores. A warp owns one 16-row tile of the
  * weight and one of its K chunks (cuda_ksum.cuh): a CTA is the n_chunks
- * warps of one tile. A warp walks its chunk in pieces of 32 columns, each
+ * warps of one tile, or (OUT == LMMA_PART) one warp. A warp walks its chunk in pieces of 32 columns, each
  * lane loading 8 consecutive columns of rows g and g + 8 (g = lane / 4) and
  * the same 8 columns of x's row g of each 8-row tile, and feeds them to
  * two bf16 m16n8k16 MMAs as their fragments with K permuted alike in A and
@@ -31,18 +33,23 @@
  * issue slots on 8-16 rows' products and shared-memory reads of x (~1
  * TB/s on an H200 at 8 rows), the MMA does 16 x 8 x 16 of them in one
  * instruction (docs/PERF.md, forty-second session). */
-#define LMMA_U 3 /* pieces of 32 columns a stage (two stages in flight) */
 #define LMMA_MAX_NC 8 /* chunks = warps a CTA (M3_K_CHUNKS) */
-/* Two CTAs a multiprocessor at 1-8 rows, so one's loads fly while the
- * other starts or ends (~106 registers; 4 pieces a stage spill there); one
- * at 9-16 (~150). */
-#define LMMA_MIN_CTAS(NT) ((NT) == 1 ? 2 : 1)
+/* Pieces of 32 columns a stage (two stages in flight): 3 where CTAs of
+ * 4-8 warps must fit two a multiprocessor (~106 registers at 1-8 rows;
+ * 4 pieces spill there); LMMA_DEEP where a CTA is one or two warps and
+ * each must keep more in flight itself. The order of the sums does not
+ * depend on it. */
+#define LMMA_DEEP(NT) ((NT) == 1 ? 6 : 4)
+#define LMMA_MIN_CTAS(NT, U) ((U) == 3 && (NT) == 1 ? 2 : 1)
+/* Outputs: bf16, fp32, or (a CTA per tile and chunk) the chunk's fp32
+ * partial, which linear_splitk_finish_kernel combines as the same tree. */
+enum { LMMA_BF16, LMMA_F32, LMMA_PART };
 
-template <int NT, bool FP8>
+template <int NT, bool FP8, int U>
 struct lmma_stage {
-    uint4 wa[LMMA_U], wb[LMMA_U];           /* rows g, g + 8: bf16, or e4m3 in .x, .y */
-    uint32_t sa[FP8 ? LMMA_U : 1], sb[FP8 ? LMMA_U : 1]; /* e8m0 scales (MXFP8) */
-    uint4 xv[LMMA_U][NT];                   /* x row (8 j + g)'s 8 columns */
+    uint4 wa[U], wb[U];                   /* rows g, g + 8: bf16, or e4m3 in .x, .y */
+    uint32_t sa[FP8 ? U : 1], sb[FP8 ? U : 1]; /* e8m0 scales (MXFP8) */
+    uint4 xv[U][NT];                      /* x row (8 j + g)'s 8 columns */
 };
 
 /* Eight e4m3 (times 2^(s - 127)) as four bf16 pairs, in column order. */
@@ -63,26 +70,27 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-template <int NT, bool FP8, bool OUT_F32>
-__global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT))
+template <int NT, bool FP8, int U, int OUT>
+__global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
     linear_mma_kernel(gemv_weight W, const uint16_t *__restrict__ x, int rows, int K, int64_t N,
                       int n_chunks, void *__restrict__ out) {
-    __shared__ float part[LMMA_MAX_NC][NT * 4][32];
+    __shared__ float part[OUT == LMMA_PART ? 1 : LMMA_MAX_NC][NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int64_t n0 = (int64_t)blockIdx.x * 16;
+    const int chunk = OUT == LMMA_PART ? (int)blockIdx.y : warp;
     int k0, k1;
-    ksum_bounds(K, n_chunks, warp, &k0, &k1);
-    const int pieces = (k1 - k0 + 31) / 32, stages = (pieces + LMMA_U - 1) / LMMA_U;
+    ksum_bounds(K, n_chunks, chunk, &k0, &k1);
+    const int pieces = (k1 - k0 + 31) / 32, stages = (pieces + U - 1) / U;
     const bool row_a = n0 + g < N, row_b = n0 + g + 8 < N;
     const size_t el = FP8 ? 1 : 2;
     const uint8_t *wa_row = W.w + (row_a ? n0 + g : 0) * W.w_row;
     const uint8_t *wb_row = W.w + (row_b ? n0 + g + 8 : 0) * W.w_row;
     const uint64_t pol = l2_evict_first();
 
-    auto load = [&](lmma_stage<NT, FP8> &s, int stage) {
+    auto load = [&](lmma_stage<NT, FP8, U> &s, int stage) {
 #pragma unroll
-        for (int u = 0; u < LMMA_U; u++) {
-            const int k = k0 + (stage * LMMA_U + u) * 32 + q * 8;
+        for (int u = 0; u < U; u++) {
+            const int k = k0 + (stage * U + u) * 32 + q * 8;
             const bool in = k < k1;
             const uint4 z = make_uint4(0, 0, 0, 0);
             if constexpr (FP8) {
@@ -111,10 +119,10 @@ __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT))
 #pragma unroll
         for (int i = 0; i < 4; i++)
             acc[j][i] = 0.0f;
-    auto compute = [&](const lmma_stage<NT, FP8> &s, int stage) {
+    auto compute = [&](const lmma_stage<NT, FP8, U> &s, int stage) {
 #pragma unroll
-        for (int u = 0; u < LMMA_U; u++) {
-            if (stage * LMMA_U + u >= pieces) /* warp-uniform: past the chunk */
+        for (int u = 0; u < U; u++) {
+            if (stage * U + u >= pieces) /* warp-uniform: past the chunk */
                 break;
             uint4 a = s.wa[u], b = s.wb[u];
             if constexpr (FP8) {
@@ -131,7 +139,7 @@ __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT))
     };
     /* two stages in registers: the next one's loads fly while this one's
      * products run */
-    lmma_stage<NT, FP8> s0, s1;
+    lmma_stage<NT, FP8, U> s0, s1;
     if (stages > 0)
         load(s0, 0);
     for (int st = 0; st < stages; st += 2) {
@@ -145,30 +153,42 @@ __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT))
         compute(s1, st + 1);
     }
 
+    if constexpr (OUT == LMMA_PART) { /* chunk blockIdx.y's partial [chunks, rows, N] */
 #pragma unroll
-    for (int j = 0; j < NT; j++)
+        for (int j = 0; j < NT; j++)
 #pragma unroll
-        for (int i = 0; i < 4; i++)
-            part[warp][j * 4 + i][lane] = acc[j][i];
-    __syncthreads();
-    if (warp != 0)
-        return;
+            for (int i = 0; i < 4; i++) {
+                const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
+                const int t = j * 8 + 2 * q + (i & 1);
+                if (n < N && t < rows)
+                    static_cast<float *>(out)[((int64_t)chunk * rows + t) * N + n] = acc[j][i];
+            }
+    } else { /* the CTA's chunks combined by warp 0 */
 #pragma unroll
-    for (int j = 0; j < NT; j++)
+        for (int j = 0; j < NT; j++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
-            const int t = j * 8 + 2 * q + (i & 1);
-            if (n >= N || t >= rows)
-                continue;
-            const float v =
-                ksum_tree<float>(n_chunks, [&](int c) { return part[c][j * 4 + i][lane]; });
-            const int64_t o = (int64_t)t * N + n;
-            if (OUT_F32)
-                static_cast<float *>(out)[o] = v;
-            else
-                static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
-        }
+            for (int i = 0; i < 4; i++)
+                part[warp][j * 4 + i][lane] = acc[j][i];
+        __syncthreads();
+        if (warp != 0)
+            return;
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
+                const int t = j * 8 + 2 * q + (i & 1);
+                if (n >= N || t >= rows)
+                    continue;
+                const float v =
+                    ksum_tree<float>(n_chunks, [&](int c) { return part[c][j * 4 + i][lane]; });
+                const int64_t o = (int64_t)t * N + n;
+                if (OUT == LMMA_F32)
+                    static_cast<float *>(out)[o] = v;
+                else
+                    static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
+            }
+    }
 }
 
 /* out = the sum of the K slices' partials: in slice order (the router), or
@@ -213,17 +233,39 @@ static int k_splits(const m3_cuda *cu, int64_t n_tiles, int K) {
     return (int)(s < chunks ? s : chunks);
 }
 
-/* Launch the tensor-core linear: a CTA per 16-row tile, a warp per chunk. */
+/* Launch the tensor-core linear. A CTA per 16-row tile, a warp per chunk
+ * (deep stages when that is one or two warps), where the tiles fill the
+ * multiprocessors; else (a narrow weight: the index and KV projections,
+ * the shared expert's gate/up) a one-warp CTA per tile and chunk, its fp32
+ * partial combined by the finish kernel as the same tree. */
 template <int NT, bool FP8>
 static m3_status launch_mma(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows, int K,
                             int64_t N, int n_chunks, bool out_f32, void *out) {
-    dim3 grid((unsigned)((N + 15) / 16)), block(32 * n_chunks);
-    if (out_f32)
-        linear_mma_kernel<NT, FP8, true><<<grid, block, 0, cu->stream>>>(W, x, rows, K, N,
-                                                                         n_chunks, out);
+    constexpr int D = LMMA_DEEP(NT);
+    const int64_t tiles = (N + 15) / 16;
+    if (tiles < cu->sm_count && n_chunks > 1) {
+        float *part = NULL;
+        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)n_chunks * rows * N * 4,
+                                 (void **)&part));
+        linear_mma_kernel<NT, FP8, D, LMMA_PART>
+            <<<dim3((unsigned)tiles, (unsigned)n_chunks), 32, 0, cu->stream>>>(W, x, rows, K, N,
+                                                                              n_chunks, part);
+        M3_CUDA_LAUNCHED("linear_mma_kernel");
+        return finish_splitk(cu, part, n_chunks, (int64_t)rows * N, true, out_f32, out);
+    }
+    dim3 grid((unsigned)tiles), block(32 * n_chunks);
+    if (n_chunks <= 2 && out_f32)
+        linear_mma_kernel<NT, FP8, D, LMMA_F32><<<grid, block, 0, cu->stream>>>(W, x, rows, K, N,
+                                                                               n_chunks, out);
+    else if (n_chunks <= 2)
+        linear_mma_kernel<NT, FP8, D, LMMA_BF16><<<grid, block, 0, cu->stream>>>(
+            W, x, rows, K, N, n_chunks, out);
+    else if (out_f32)
+        linear_mma_kernel<NT, FP8, 3, LMMA_F32><<<grid, block, 0, cu->stream>>>(W, x, rows, K, N,
+                                                                               n_chunks, out);
     else
-        linear_mma_kernel<NT, FP8, false><<<grid, block, 0, cu->stream>>>(W, x, rows, K, N,
-                                                                          n_chunks, out);
+        linear_mma_kernel<NT, FP8, 3, LMMA_BF16><<<grid, block, 0, cu->stream>>>(
+            W, x, rows, K, N, n_chunks, out);
     M3_CUDA_LAUNCHED("linear_mma_kernel");
     return M3_OK;
 }
@@ -382,10 +424,10 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
                        w->w.name ? w->w.name : "?", m3_dtype_name(w->w.dtype));
     bool out_f32 = out_dtype == M3_DT_F32;
     int64_t N = w->w.ne[0], K = w->w.ne[1];
-    /* Decode rows stay on the GEMV even where cuBLAS is faster (8-16 rows,
-     * m3 bench linear): each row's sums then never depend on how many
-     * sequences share the step, so batching does not change anyone's
-     * tokens (docs/PERF.md). */
+    /* Decode rows (<= 16) stay on our kernel: each row's sums then never
+     * depend on how many rows share the step (cuBLAS picks its kernel, and
+     * so a sum's order, by the shape), so a 16-row step gives each row
+     * the bits of a 1-row step. */
     /* (a row-parallel weight whose chunks cuBLAS cannot take stays on the
      * GEMV, whose sums are cut alike at every row count) */
     if (rows > GEMV_MAX_T && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX &&

@@ -276,6 +276,26 @@ static void linear_rows_invariance(const m3_linear *hw, const m3_linear *dw) {
         cmp c = gpu_compare_f32(got, ref, (int64_t)rows * N);
         report("linear rows", shape, &c, EXACT, guard, " (wrote past the end)");
     }
+    /* the weight's first Nv rows as a weight of their own (a TP rank's
+     * column slice): fewer tiles, so another launch shape, the same bits */
+    const int64_t Nv = N < 264 ? N : 264;
+    m3_linear v = *dw;
+    v.w.ne[0] = Nv;
+    if (v.scale.data)
+        v.scale.ne[0] = Nv;
+    snprintf(shape, sizeof shape, "rows 16, N %lld of %lld K %lld %s->f32, bits", (long long)Nv,
+             (long long)N, (long long)K, hw->w.dtype == M3_DT_BF16 ? "bf16" : "mxfp8");
+    void *dv = dev_buf(NULL, (size_t)16 * Nv * 4);
+    st = gpu_done(g_gpu->ops->linear(g_gpu, 16, dx, &v, M3_DT_F32, dv));
+    if (st) {
+        report_error("linear rows", shape, st);
+        return;
+    }
+    float *got = dev_fetch(dv, (size_t)16 * Nv * 4, &guard), *want = halloc((size_t)16 * Nv * 4);
+    for (int t = 0; t < 16; t++)
+        memcpy(want + t * Nv, ref + t * N, (size_t)Nv * 4);
+    cmp c = gpu_compare_f32(got, want, 16 * Nv);
+    report("linear rows", shape, &c, EXACT, guard, " (wrote past the end)");
 }
 
 static void linear_weight_cases(int64_t N, int64_t K, bool fp8) {
@@ -314,6 +334,10 @@ static void test_linear(void) {
      * the scalar fallback (bf16 only: MXFP8 needs K % 32 == 0) */
     linear_weight_cases(520, 1024, false);
     linear_weight_cases(264, 6144, false);
+    /* more 16-row tiles than multiprocessors: a CTA per tile (4 chunks; 1) */
+    linear_weight_cases(4104, 1024, false);
+    linear_weight_cases(4104, 768, false);
+    linear_weight_cases(4104, 1024, true);
     linear_weight_cases(77, 200, false);
     linear_weight_cases(520, 1024, true);
     linear_weight_cases(264, 6144, true);
