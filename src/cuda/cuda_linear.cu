@@ -1,44 +1,194 @@
 /*
- * The linear op on the GPU. Decode row counts (<= 16) use the streaming
- * GEMV of cuda_gemv.cuh, instantiated for row buckets 1, 2, 4, 8, 16 (rows
- * past the real count are zero and never stored). Larger row counts
- * (prefill) use cuBLAS for bf16 weights, and the GEMV 16 rows at a time for
- * MXFP8 weights. Shapes the vector kernels cannot take (K not a multiple of
- * 8, unaligned rows) fall back to a plain one-thread-per-output kernel, so
- * every config the SPEC allows runs. The router's fp32 weights have their
- * own small kernel.
+ * The linear op on the GPU. Decode row counts (<= 16) run on tensor cores
+ * (linear_mma_kernel below: bf16 MMAs fed straight from the weight loads,
+ * one or two 8-row column tiles), so 8-16 rows cost about what one row
+ * does, and a row's sums are the same bits at every row count and on
+ * every TP world. Larger row counts (prefill) use cuBLAS for bf16
+ * weights, and the MMA kernel 16 rows at a time for MXFP8 weights. Shapes
+ * the vector kernels cannot take (K not a multiple of 8, unaligned rows)
+ * fall back to a plain one-thread-per-output kernel, so every config the
+ * SPEC allows runs. The router's fp32 weights have their own small kernel
+ * (cuda_gemv.cuh's FFMA core still serves the MoE experts).
  */
 #include <stdio.h>
 
 #include "cuda/cuda_gemv.cuh"
 #include "cuda/cuda_internal.h"
 
-/* out (or, when K's chunks are split over CTAs, the fp32 partial of chunk
- * group blockIdx.y into part [groups, rows, N]) of this CTA's GEMV_WARPS *
- * GEMV_R output rows: chunks [blockIdx.y * group, + group) of n_chunks
- * over K, summed as cuda_ksum.cuh's tree. */
-template <int T, bool FP8, bool OUT_F32>
-__global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_CTAS(T))
-    linear_gemv_kernel(gemv_weight W, const uint16_t *__restrict__ x, int rows, int K, int64_t N,
-                       int n_chunks, int group, void *__restrict__ out, float *__restrict__ part) {
-    extern __shared__ uint4 smem_x[];
-    uint16_t *xs = reinterpret_cast<uint16_t *>(smem_x);
-    int64_t n0 = ((int64_t)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * GEMV_R;
-    auto row_ptr = [&](int t) { return x + (int64_t)t * K; };
-    float v = gemv_tree<T, FP8>(W, n0, N, K, n_chunks, blockIdx.y * group, group, row_ptr, rows,
-                                xs);
-    bool first;
-    int j = ksum_lane_value<GEMV_R * T>(&first);
-    int r = j / T, t = j % T;
-    if (!first || n0 + r >= N || t >= rows)
-        return;
-    int64_t o = (int64_t)t * N + n0 + r;
-    if (part)
-        part[(int64_t)blockIdx.y * rows * N + o] = v;
-    else if (OUT_F32)
-        static_cast<float *>(out)[o] = v;
-    else
-        static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
+/* The decode linear on tensor cores. A warp owns one 16-row tile of the
+ * weight and one of its K chunks (cuda_ksum.cuh): a CTA is the n_chunks
+ * warps of one tile, or (OUT == LMMA_PART) one warp. A warp walks its chunk in pieces of 32 columns, each
+ * lane loading 8 consecutive columns of rows g and g + 8 (g = lane / 4) and
+ * the same 8 columns of x's row g of each 8-row tile, and feeds them to
+ * two bf16 m16n8k16 MMAs as their fragments with K permuted alike in A and
+ * B (lane q = lane % 4 holds columns 8q..8q+7, which the MMA reads as k
+ * 2q, 2q + 1, 2q + 8, 2q + 9 of each half), so no shuffle or shared memory
+ * sits between the loads and the products. Each x row is one MMA column,
+ * summed by the same hardware steps whatever the other columns hold: a
+ * row's sums do not depend on how many rows share the step (1 to 16) or
+ * on anything but its chunk (a TP rank's chunks are summed as TP 1's), and
+ * the chunks are combined as ksum's tree by warp 0. MXFP8 weights are
+ * widened to bf16 on the way (e4m3 times a power of two is exact in bf16
+ * but for values under 2^-133). Where the FFMA GEMV this replaces spent its
+ * issue slots on 8-16 rows' products and shared-memory reads of x (~1
+ * TB/s on an H200 at 8 rows), the MMA does 16 x 8 x 16 of them in one
+ * instruction (docs/PERF.md, forty-second session). */
+#define LMMA_MAX_NC 8 /* chunks = warps a CTA (M3_K_CHUNKS) */
+/* Pieces of 32 columns a stage (two stages in flight): 3 where CTAs of
+ * 4-8 warps must fit two a multiprocessor (~106 registers at 1-8 rows;
+ * 4 pieces spill there); LMMA_DEEP where a CTA is one or two warps and
+ * each must keep more in flight itself. The order of the sums does not
+ * depend on it. */
+#define LMMA_DEEP(NT) ((NT) == 1 ? 6 : 4)
+#define LMMA_MIN_CTAS(NT, U) ((U) == 3 && (NT) == 1 ? 2 : 1)
+/* Outputs: bf16, fp32, or (a CTA per tile and chunk) the chunk's fp32
+ * partial, which linear_splitk_finish_kernel combines as the same tree. */
+enum { LMMA_BF16, LMMA_F32, LMMA_PART };
+
+template <int NT, bool FP8, int U>
+struct lmma_stage {
+    uint4 wa[U], wb[U];                   /* rows g, g + 8: bf16, or e4m3 in .x, .y */
+    uint32_t sa[FP8 ? U : 1], sb[FP8 ? U : 1]; /* e8m0 scales (MXFP8) */
+    uint4 xv[U][NT];                      /* x row (8 j + g)'s 8 columns */
+};
+
+/* Eight e4m3 (times 2^(s - 127)) as four bf16 pairs, in column order. */
+__device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
+    const float scale = m3_e8m0((uint8_t)s);
+    const uint32_t words[2] = {v.x, v.y};
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+                (__nv_fp8x2_storage_t)(words[i] >> (16 * j)), __NV_E4M3);
+            float2 f = __half22float2(*reinterpret_cast<__half2 *>(&h));
+            __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+            o[i * 2 + j] = *reinterpret_cast<uint32_t *>(&b);
+        }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+template <int NT, bool FP8, int U, int OUT>
+__global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
+    linear_mma_kernel(gemv_weight W, const uint16_t *__restrict__ x, int rows, int K, int64_t N,
+                      int n_chunks, void *__restrict__ out) {
+    __shared__ float part[OUT == LMMA_PART ? 1 : LMMA_MAX_NC][NT * 4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int64_t n0 = (int64_t)blockIdx.x * 16;
+    const int chunk = OUT == LMMA_PART ? (int)blockIdx.y : warp;
+    int k0, k1;
+    ksum_bounds(K, n_chunks, chunk, &k0, &k1);
+    const int pieces = (k1 - k0 + 31) / 32, stages = (pieces + U - 1) / U;
+    const bool row_a = n0 + g < N, row_b = n0 + g + 8 < N;
+    const size_t el = FP8 ? 1 : 2;
+    const uint8_t *wa_row = W.w + (row_a ? n0 + g : 0) * W.w_row;
+    const uint8_t *wb_row = W.w + (row_b ? n0 + g + 8 : 0) * W.w_row;
+    const uint64_t pol = l2_evict_first();
+
+    auto load = [&](lmma_stage<NT, FP8, U> &s, int stage) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int k = k0 + (stage * U + u) * 32 + q * 8;
+            const bool in = k < k1;
+            const uint4 z = make_uint4(0, 0, 0, 0);
+            if constexpr (FP8) {
+                uint2 a = in && row_a ? ldg8_pol(wa_row + k, pol) : make_uint2(0, 0);
+                uint2 b = in && row_b ? ldg8_pol(wb_row + k, pol) : make_uint2(0, 0);
+                s.wa[u] = make_uint4(a.x, a.y, 0, 0);
+                s.wb[u] = make_uint4(b.x, b.y, 0, 0);
+                s.sa[u] = in && row_a ? W.s[(n0 + g) * W.s_row + k / 32] : 0;
+                s.sb[u] = in && row_b ? W.s[(n0 + g + 8) * W.s_row + k / 32] : 0;
+            } else {
+                s.wa[u] = in && row_a ? ldg16_pol(wa_row + (size_t)k * el, pol) : z;
+                s.wb[u] = in && row_b ? ldg16_pol(wb_row + (size_t)k * el, pol) : z;
+            }
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const int t = j * 8 + g;
+                s.xv[u][j] = in && t < rows
+                                 ? __ldg(reinterpret_cast<const uint4 *>(x + (int64_t)t * K + k))
+                                 : z;
+            }
+        }
+    };
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            acc[j][i] = 0.0f;
+    auto compute = [&](const lmma_stage<NT, FP8, U> &s, int stage) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (stage * U + u >= pieces) /* warp-uniform: past the chunk */
+                break;
+            uint4 a = s.wa[u], b = s.wb[u];
+            if constexpr (FP8) {
+                a = lmma_widen(a, s.sa[u]);
+                b = lmma_widen(b, s.sb[u]);
+            }
+            const uint32_t lo[4] = {a.x, b.x, a.y, b.y}, hi[4] = {a.z, b.z, a.w, b.w};
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                mma_bf16(acc[j], lo, s.xv[u][j].x, s.xv[u][j].y);
+                mma_bf16(acc[j], hi, s.xv[u][j].z, s.xv[u][j].w);
+            }
+        }
+    };
+    /* two stages in registers: the next one's loads fly while this one's
+     * products run */
+    lmma_stage<NT, FP8, U> s0, s1;
+    if (stages > 0)
+        load(s0, 0);
+    for (int st = 0; st < stages; st += 2) {
+        if (st + 1 < stages)
+            load(s1, st + 1);
+        compute(s0, st);
+        if (st + 1 >= stages)
+            break;
+        if (st + 2 < stages)
+            load(s0, st + 2);
+        compute(s1, st + 1);
+    }
+
+    if constexpr (OUT == LMMA_PART) { /* chunk blockIdx.y's partial [chunks, rows, N] */
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
+                const int t = j * 8 + 2 * q + (i & 1);
+                if (n < N && t < rows)
+                    static_cast<float *>(out)[((int64_t)chunk * rows + t) * N + n] = acc[j][i];
+            }
+    } else { /* the CTA's chunks combined by warp 0 */
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                part[warp][j * 4 + i][lane] = acc[j][i];
+        __syncthreads();
+        if (warp != 0)
+            return;
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
+                const int t = j * 8 + 2 * q + (i & 1);
+                if (n >= N || t >= rows)
+                    continue;
+                const float v =
+                    ksum_tree<float>(n_chunks, [&](int c) { return part[c][j * 4 + i][lane]; });
+                const int64_t o = (int64_t)t * N + n;
+                if (OUT == LMMA_F32)
+                    static_cast<float *>(out)[o] = v;
+                else
+                    static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
+            }
+    }
 }
 
 /* out = the sum of the K slices' partials: in slice order (the router), or
@@ -83,39 +233,41 @@ static int k_splits(const m3_cuda *cu, int64_t n_tiles, int K) {
     return (int)(s < chunks ? s : chunks);
 }
 
-/* CTAs over K for the bf16 GEMV: groups of whole chunks, a power of two
- * dividing n_chunks (so each group is a subtree), enough that a narrow
- * weight still puts about two CTAs on every multiprocessor (90% of that
- * will do: fewer, longer groups keep 1,024-column pieces whole). Any
- * choice gives the same bits. */
-static int chunk_groups(const m3_cuda *cu, int64_t n_tiles, int n_chunks) {
-    int64_t want = 2 * (int64_t)cu->sm_count;
-    int g = 1;
-    while (g < n_chunks && n_chunks % (2 * g) == 0 && n_tiles * g * 10 < want * 9)
-        g *= 2;
-    return g;
-}
-
-/* Launch the GEMV (its chunks over `groups` CTAs when the grid is narrow)
- * and finish. */
-template <int T, bool FP8>
-static m3_status launch_linear(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
-                               int K, int64_t N, int n_chunks, bool out_f32, void *out,
-                               float *part, int groups) {
-    unsigned n_tiles = (unsigned)((N + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R));
-    dim3 grid(n_tiles, (unsigned)groups);
-    size_t smem = (size_t)T * GEMV_KC * sizeof(uint16_t);
-    float *p = groups > 1 ? part : nullptr;
-    int group = n_chunks / groups;
-    if (out_f32)
-        linear_gemv_kernel<T, FP8, true><<<grid, GEMV_THREADS, smem, cu->stream>>>(
-            W, x, rows, K, N, n_chunks, group, out, p);
+/* Launch the tensor-core linear. A CTA per 16-row tile, a warp per chunk
+ * (deep stages when that is one or two warps), where the tiles fill the
+ * multiprocessors; else (a narrow weight: the index and KV projections,
+ * the shared expert's gate/up) a one-warp CTA per tile and chunk, its fp32
+ * partial combined by the finish kernel as the same tree. */
+template <int NT, bool FP8>
+static m3_status launch_mma(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows, int K,
+                            int64_t N, int n_chunks, bool out_f32, void *out) {
+    constexpr int D = LMMA_DEEP(NT);
+    const int64_t tiles = (N + 15) / 16;
+    if (tiles < cu->sm_count && n_chunks > 1) {
+        float *part = NULL;
+        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)n_chunks * rows * N * 4,
+                                 (void **)&part));
+        linear_mma_kernel<NT, FP8, D, LMMA_PART>
+            <<<dim3((unsigned)tiles, (unsigned)n_chunks), 32, 0, cu->stream>>>(W, x, rows, K, N,
+                                                                              n_chunks, part);
+        M3_CUDA_LAUNCHED("linear_mma_kernel");
+        return finish_splitk(cu, part, n_chunks, (int64_t)rows * N, true, out_f32, out);
+    }
+    dim3 grid((unsigned)tiles), block(32 * n_chunks);
+    if (n_chunks <= 2 && out_f32)
+        linear_mma_kernel<NT, FP8, D, LMMA_F32><<<grid, block, 0, cu->stream>>>(W, x, rows, K, N,
+                                                                               n_chunks, out);
+    else if (n_chunks <= 2)
+        linear_mma_kernel<NT, FP8, D, LMMA_BF16><<<grid, block, 0, cu->stream>>>(
+            W, x, rows, K, N, n_chunks, out);
+    else if (out_f32)
+        linear_mma_kernel<NT, FP8, 3, LMMA_F32><<<grid, block, 0, cu->stream>>>(W, x, rows, K, N,
+                                                                               n_chunks, out);
     else
-        linear_gemv_kernel<T, FP8, false><<<grid, GEMV_THREADS, smem, cu->stream>>>(
-            W, x, rows, K, N, n_chunks, group, out, p);
-    M3_CUDA_LAUNCHED("linear_gemv_kernel");
-    return groups > 1 ? finish_splitk(cu, part, groups, (int64_t)rows * N, true, out_f32, out)
-                      : M3_OK;
+        linear_mma_kernel<NT, FP8, 3, LMMA_BF16><<<grid, block, 0, cu->stream>>>(
+            W, x, rows, K, N, n_chunks, out);
+    M3_CUDA_LAUNCHED("linear_mma_kernel");
+    return M3_OK;
 }
 
 /* One thread per output: any K, any alignment; the same chunk tree. */
@@ -144,24 +296,16 @@ __global__ void linear_scalar_kernel(gemv_weight W, bool fp8, const uint16_t *x,
         static_cast<uint16_t *>(out)[i] = m3_to_bf(acc);
 }
 
+/* 1-8 rows: one 8-column MMA tile; 9-16: two. A row's sums are the same
+ * in both (see linear_mma_kernel). */
 template <bool FP8>
 static m3_status launch_gemv(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
                              int K, int64_t N, int n_chunks, bool out_f32, void *out) {
-    int64_t n_tiles = (N + GEMV_WARPS * GEMV_R - 1) / (GEMV_WARPS * GEMV_R);
-    int groups = chunk_groups(cu, n_tiles, n_chunks);
-    float *part = NULL;
-    if (groups > 1)
-        M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)groups * rows * N * 4,
-                                 (void **)&part));
-    if (rows <= 1)
-        return launch_linear<1, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
-    if (rows <= 2)
-        return launch_linear<2, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
-    if (rows <= 4)
-        return launch_linear<4, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
+    if (n_chunks < 1 || n_chunks > LMMA_MAX_NC)
+        return m3_fail(M3_ERR_INTERNAL, "linear: %d K chunks (1..%d)", n_chunks, LMMA_MAX_NC);
     if (rows <= 8)
-        return launch_linear<8, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
-    return launch_linear<16, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out, part, groups);
+        return launch_mma<1, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out);
+    return launch_mma<2, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out);
 }
 
 /* A row-parallel weight's chunks when cuBLAS can take them (whole chunks
@@ -280,10 +424,10 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
                        w->w.name ? w->w.name : "?", m3_dtype_name(w->w.dtype));
     bool out_f32 = out_dtype == M3_DT_F32;
     int64_t N = w->w.ne[0], K = w->w.ne[1];
-    /* Decode rows stay on the GEMV even where cuBLAS is faster (8-16 rows,
-     * m3 bench linear): each row's sums then never depend on how many
-     * sequences share the step, so batching does not change anyone's
-     * tokens (docs/PERF.md). */
+    /* Decode rows (<= 16) stay on our kernel: each row's sums then never
+     * depend on how many rows share the step (cuBLAS picks its kernel, and
+     * so a sum's order, by the shape), so a 16-row step gives each row
+     * the bits of a 1-row step. */
     /* (a row-parallel weight whose chunks cuBLAS cannot take stays on the
      * GEMV, whose sums are cut alike at every row count) */
     if (rows > GEMV_MAX_T && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX &&

@@ -14,7 +14,8 @@
  *   - bf16 outputs of math done in a different order (norms, projections,
  *     RoPE, attention, SwiGLU, MoE): relative L2 <= 1e-2 (TOL_BF16).
  *   - fp32 outputs of the linear op: relative L2 <= 1e-5 (TOL_F32: the
- *     same products summed in another order).
+ *     same products summed in another order); at decode row counts (1-16)
+ *     each row's sums bitwise those of the same row in a 16-row run.
  *   - copies (embed, gather_rows, cache_write) and one bf16 addition (the
  *     add_rmsnorm residual, add_rows): bit-exact.
  *   - index scores: both sides accumulate in fp64 and round once, so they
@@ -242,6 +243,61 @@ static void linear_run(const char *op, int rows, const uint16_t *x, const m3_lin
     report(op, shape, &c, out == M3_DT_F32 ? TOL_F32 : TOL_BF16, guard, " (wrote past the end)");
 }
 
+/* Decode row counts: row i's fp32 sums are the same bits whatever the
+ * step's row count (1-16), as a speculative verify step (8 rows) must give
+ * the tokens of plain decode steps (1 row). The reference is the 16-row
+ * run; each count runs the first rows of the same x. */
+static void linear_rows_invariance(const m3_linear *hw, const m3_linear *dw) {
+    static const int counts[] = {1, 3, 8, 9, 15};
+    int64_t N = hw->w.ne[0], K = hw->w.ne[1];
+    uint16_t *x = rand_bf16(16 * K, 1.0f), *dx = dev_from(x, (size_t)(16 * K) * 2);
+    void *d16 = dev_buf(NULL, (size_t)16 * N * 4);
+    char shape[96];
+    snprintf(shape, sizeof shape, "rows 16 N %lld K %lld %s->f32", (long long)N, (long long)K,
+             hw->w.dtype == M3_DT_BF16 ? "bf16" : "mxfp8");
+    m3_status st = gpu_done(g_gpu->ops->linear(g_gpu, 16, dx, dw, M3_DT_F32, d16));
+    if (st) {
+        report_error("linear rows", shape, st);
+        return;
+    }
+    bool guard;
+    float *ref = dev_fetch(d16, (size_t)16 * N * 4, &guard);
+    for (size_t i = 0; i < sizeof counts / sizeof *counts; i++) {
+        int rows = counts[i];
+        snprintf(shape, sizeof shape, "rows %d vs 16, N %lld K %lld %s->f32, bits", rows,
+                 (long long)N, (long long)K, hw->w.dtype == M3_DT_BF16 ? "bf16" : "mxfp8");
+        void *d = dev_buf(NULL, (size_t)rows * N * 4);
+        st = gpu_done(g_gpu->ops->linear(g_gpu, rows, dx, dw, M3_DT_F32, d));
+        if (st) {
+            report_error("linear rows", shape, st);
+            continue;
+        }
+        float *got = dev_fetch(d, (size_t)rows * N * 4, &guard);
+        cmp c = gpu_compare_f32(got, ref, (int64_t)rows * N);
+        report("linear rows", shape, &c, EXACT, guard, " (wrote past the end)");
+    }
+    /* the weight's first Nv rows as a weight of their own (a TP rank's
+     * column slice): fewer tiles, so another launch shape, the same bits */
+    const int64_t Nv = N < 264 ? N : 264;
+    m3_linear v = *dw;
+    v.w.ne[0] = Nv;
+    if (v.scale.data)
+        v.scale.ne[0] = Nv;
+    snprintf(shape, sizeof shape, "rows 16, N %lld of %lld K %lld %s->f32, bits", (long long)Nv,
+             (long long)N, (long long)K, hw->w.dtype == M3_DT_BF16 ? "bf16" : "mxfp8");
+    void *dv = dev_buf(NULL, (size_t)16 * Nv * 4);
+    st = gpu_done(g_gpu->ops->linear(g_gpu, 16, dx, &v, M3_DT_F32, dv));
+    if (st) {
+        report_error("linear rows", shape, st);
+        return;
+    }
+    float *got = dev_fetch(dv, (size_t)16 * Nv * 4, &guard), *want = halloc((size_t)16 * Nv * 4);
+    for (int t = 0; t < 16; t++)
+        memcpy(want + t * Nv, ref + t * N, (size_t)Nv * 4);
+    cmp c = gpu_compare_f32(got, want, 16 * Nv);
+    report("linear rows", shape, &c, EXACT, guard, " (wrote past the end)");
+}
+
 static void linear_weight_cases(int64_t N, int64_t K, bool fp8) {
     static const int rows_list[] = {1, 2, 3, 5, 8, 13, 16, 100};
     m3_linear hw = make_linear(N, K, fp8, 1.0f), dw = linear_to_gpu(&hw);
@@ -254,6 +310,8 @@ static void linear_weight_cases(int64_t N, int64_t K, bool fp8) {
     /* unaligned activations: the vector kernels cannot take them */
     uint16_t *x = rand_bf16(5 * K, 1.0f);
     linear_run("linear", 5, x, &hw, &dw, M3_DT_BF16, true);
+    if (K % 8 == 0)
+        linear_rows_invariance(&hw, &dw);
     release_all();
 }
 
@@ -276,6 +334,10 @@ static void test_linear(void) {
      * the scalar fallback (bf16 only: MXFP8 needs K % 32 == 0) */
     linear_weight_cases(520, 1024, false);
     linear_weight_cases(264, 6144, false);
+    /* more 16-row tiles than multiprocessors: a CTA per tile (4 chunks; 1) */
+    linear_weight_cases(4104, 1024, false);
+    linear_weight_cases(4104, 768, false);
+    linear_weight_cases(4104, 1024, true);
     linear_weight_cases(77, 200, false);
     linear_weight_cases(520, 1024, true);
     linear_weight_cases(264, 6144, true);
