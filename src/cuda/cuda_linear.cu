@@ -17,22 +17,23 @@
 
 /* The decode linear on tensor cores. A warp owns one 16-row tile of the
  * weight and one of its K chunks (cuda_ksum.cuh): a CTA is the n_chunks
- * warps of one tile, or (OUT == LMMA_PART) one warp. A warp walks its chunk in pieces of 32 columns, each
- * lane loading 8 consecutive columns of rows g and g + 8 (g = lane / 4) and
- * the same 8 columns of x's row g of each 8-row tile, and feeds them to
- * two bf16 m16n8k16 MMAs as their fragments with K permuted alike in A and
- * B (lane q = lane % 4 holds columns 8q..8q+7, which the MMA reads as k
- * 2q, 2q + 1, 2q + 8, 2q + 9 of each half), so no shuffle or shared memory
- * sits between the loads and the products. Each x row is one MMA column,
- * summed by the same hardware steps whatever the other columns hold: a
- * row's sums do not depend on how many rows share the step (1 to 16) or
- * on anything but its chunk (a TP rank's chunks are summed as TP 1's), and
- * the chunks are combined as ksum's tree by warp 0. MXFP8 weights are
- * widened to bf16 on the way (e4m3 times a power of two is exact in bf16
- * but for values under 2^-133). Where the FFMA GEMV this replaces spent its
- * issue slots on 8-16 rows' products and shared-memory reads of x (~1
- * TB/s on an H200 at 8 rows), the MMA does 16 x 8 x 16 of them in one
- * instruction (docs/PERF.md, forty-second session). */
+ * warps of one tile, or (OUT == LMMA_PART) one warp. A warp walks its
+ * chunk in pieces of 32 columns, each lane loading 8 consecutive columns
+ * of rows g and g + 8 (g = lane / 4) and the same 8 columns of x's row g
+ * of each 8-row tile, and feeds them to two bf16 m16n8k16 MMAs as their
+ * fragments with K permuted alike in A and B (lane q = lane % 4 holds
+ * columns 8q..8q+7, which the MMA reads as k 2q, 2q + 1, 2q + 8, 2q + 9
+ * of each half), so no shuffle or shared memory sits between the loads
+ * and the products. Each x row is one MMA column, summed by the same
+ * hardware steps whatever the other columns hold: a row's sums do not
+ * depend on how many rows share the step (1 to 16) or on anything but its
+ * chunk (a TP rank's chunks are summed as TP 1's), and the chunks are
+ * combined as ksum's tree. MXFP8 weights are widened to bf16 on the way
+ * (e4m3 times a power of two is exact in bf16 but for values under
+ * 2^-133). Where the FFMA GEMV this replaces spent its issue slots on 8-16
+ * rows' products and shared-memory reads of x (~1 TB/s on an H200 at 8
+ * rows), the MMA does 16 x 8 x 16 of them in one instruction
+ * (docs/PERF.md, forty-second session). */
 #define LMMA_MAX_NC 8 /* chunks = warps a CTA (M3_K_CHUNKS) */
 /* Pieces of 32 columns a stage (two stages in flight): 3 where CTAs of
  * 4-8 warps must fit two a multiprocessor (~106 registers at 1-8 rows;
