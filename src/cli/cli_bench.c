@@ -40,7 +40,8 @@ static void bench_usage(FILE *f) {
             "  ('read-only us', JSON read_us): what streaming them alone costs.\n"
             "\n"
             "       m3 bench linear [--rows 1,2,4,8,16] [--shapes NxK,...] [--iters N]\n"
-            "  the decode GEMV against cuBLAS (default: one m3-tp4-rank layer's shapes)\n"
+            "  the decode linear against cuBLAS (default: one m3-tp4-rank layer's shapes,\n"
+            "  a dense layer's MLP and the lm_head)\n"
             "\n"
             "       m3 bench indexer [--batch 1,8,32] [--context 32768,131072,1048576]\n"
             "                        [--world 1,2,4,8] [--heads 4] [--topk 16] [--iters N] [--json]\n"
@@ -183,8 +184,9 @@ static int bench_linear(int argc, char **argv) {
     int64_t rows[M3_BENCH_MAX_POINTS] = {1, 2, 4, 8, 16}, v;
     int n_rows = 5, iters = 50, gpu = 0;
     int64_t shapes[M3_BENCH_MAX_POINTS][2] = {
-        {2048, 6144}, {6144, 2048}, {128, 6144}, {768, 6144}, {6144, 768}};
-    int n_shapes = 5;
+        {2048, 6144}, {6144, 2048}, {128, 6144}, {768, 6144},
+        {6144, 768},  {3072, 6144}, {6144, 3072}, {200064, 6144}};
+    int n_shapes = 8;
     for (int i = 2; i < argc; i++) {
         const char *f = argv[i], *val = cli_value(argc, argv, &i);
         if (!val)
