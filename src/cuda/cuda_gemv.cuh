@@ -10,10 +10,13 @@
  * more weight bytes than L2 holds, and they should not evict what it reads
  * again (activations, norm weights, cache pages of the next op).
  *
- * The same core serves the dense linear op (cuda_linear.cu) and the MoE
- * experts (cuda_moe.cu), whose rows are gathered through a member list and
- * whose weights are picked by expert id on the device, so a CUDA graph
- * replays them without knowing the routing in advance.
+ * It serves the MoE experts (cuda_moe.cu), whose rows are gathered through
+ * a member list and whose weights are picked by expert id on the device,
+ * so a CUDA graph replays them without knowing the routing in advance; a
+ * routed expert's pass mostly has one or two rows. The dense linear op
+ * runs its decode rows on tensor cores instead (cuda_linear.cu), which
+ * takes only gemv_weight from here (and its fp32 router kernel the
+ * staging of x).
  */
 #ifndef M3_CUDA_CUDA_GEMV_CUH
 #define M3_CUDA_CUDA_GEMV_CUH
@@ -30,12 +33,6 @@
 #define GEMV_KC 1024  /* K elements staged in shared memory per chunk */
 #define GEMV_U (GEMV_KC / 256) /* 16-byte loads per lane per chunk and row */
 #define GEMV_MAX_T 16
-/* CTAs per SM the register budget must allow, by row bucket (0: no
- * bound): the decode GEMV's bandwidth comes from loads in flight, so 1-4
- * rows keep the occupancy they had before the chunk tree's reductions
- * took registers; 8-16 rows fit 2 CTAs unbounded, and a bound of 2 there
- * spills (docs/PERF.md, seventh session) */
-#define GEMV_MIN_CTAS(T) ((T) <= 1 ? 4 : (T) <= 4 ? 3 : 0)
 
 /* A weight matrix [N, K] on the device: bf16, or e4m3 + u8 scales. */
 struct gemv_weight {
