@@ -262,8 +262,13 @@ typedef struct m3_gen_opts {
     int max_new_tokens;
     m3_sampler sampler;
     bool stop_at_eos;
-    /* called after each generated token (may be NULL); a non-zero return stops */
+    /* called after each generated token (may be NULL); a non-zero return
+     * stops; for one prompt only (a batch refuses it) */
     int (*on_token)(void *user, int32_t token, const float *logits, int vocab);
+    /* the same naming the request (the prompt's index in a batch; 0 for
+     * one prompt); a non-zero return stops that request only */
+    int (*on_request_token)(void *user, int request, int32_t token, const float *logits,
+                            int vocab);
     void *user;
 } m3_gen_opts;
 
@@ -290,6 +295,16 @@ m3_status m3_engine_decode(m3_engine *eng, const m3_request *reqs, int n_reqs,
 m3_status m3_generate(m3_engine *eng, const int32_t *prompt, int n_prompt,
                       const m3_gen_opts *opts, m3_gen_result *out);
 
+/* n prompts at once (1..max_seqs; their pages must fit the engine's free
+ * cache): each prefilled in its own sequence, then decoded together, one
+ * token per live request a step (up to max_rows requests a step). out [n]:
+ * out[i] is prompt i's, with its own prefill time and the batch's decode
+ * time. Greedy tokens are each prompt's m3_generate tokens where the
+ * backend's rows do not depend on the batch (the CPU's); sampled ones are
+ * drawn from one generator (seeded by the sampler) over the batch. */
+m3_status m3_generate_batch(m3_engine *eng, int n, const int32_t *const *prompts,
+                            const int *n_prompts, const m3_gen_opts *opts, m3_gen_result *out);
+
 
 /* ---------------------------------------------------------------- speculative decoding */
 
@@ -308,6 +323,7 @@ void m3_drafter_free(m3_drafter *d);
 
 /* One draft step of a speculative run. */
 typedef struct m3_spec_step {
+    int request;        /* the prompt's index in a batch (0 for one prompt) */
     int64_t pos;        /* p: the anchor's position */
     int32_t anchor;     /* the token chosen for position p */
     int n_drafts;       /* B */
@@ -321,10 +337,14 @@ typedef struct m3_spec_stats {
      * Markov bias (draft_logits [n_steps, B, vocab]) */
     bool keep_steps, keep_draft_logits;
     /* out */
-    int64_t cycles, drafted, accepted; /* draft steps, drafts verified, drafts kept */
+    /* a request's draft-and-verify cycles (summed over a batch's requests),
+     * drafts verified, drafts kept */
+    int64_t cycles, drafted, accepted;
+    int64_t batch_steps; /* verify steps run (each after one draft step for up to 8
+                          * requests, or none where none had room to draft) */
     /* wall seconds in the proposer (its drafts, and the kept rows taken in
      * as its context) and in the target's verify steps (the step, its
-     * logits and the acceptance): per cycle, what a cycle's time is made of */
+     * logits and the acceptance): per batch step, what a step's time is made of */
     double draft_seconds, verify_seconds;
     int64_t draft_replays; /* draft steps replayed from a CUDA graph */
     int n_steps;
@@ -342,6 +362,17 @@ void m3_spec_stats_free(m3_spec_stats *s);
 m3_status m3_generate_speculative(m3_engine *eng, m3_drafter *d, const int32_t *prompt,
                                   int n_prompt, const m3_gen_opts *opts, m3_gen_result *out,
                                   m3_spec_stats *stats);
+
+/* m3_generate_speculative over n prompts at once (as m3_generate_batch):
+ * each cycle, one draft step proposes for up to 8 live requests (and no
+ * more than max_rows / (B + 1) or max_seqs) and one target step verifies
+ * all their drafts. out[i] is prompt i's tokens: greedy, each prompt's
+ * plain greedy tokens where the backend's rows do not depend on the batch
+ * (the CPU's). stats sum over the requests; each step names its request. */
+m3_status m3_generate_speculative_batch(m3_engine *eng, m3_drafter *d, int n,
+                                        const int32_t *const *prompts, const int *n_prompts,
+                                        const m3_gen_opts *opts, m3_gen_result *out,
+                                        m3_spec_stats *stats);
 
 #ifdef __cplusplus
 }

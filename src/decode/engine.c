@@ -446,6 +446,8 @@ static const m3_engine *lead(const m3_engine *e) { return e->ranks[0] ? e->ranks
 
 int64_t m3_engine_max_context(const m3_engine *e) { return lead(e)->cache.max_context; }
 
+int32_t m3_engine_free_pages(const m3_engine *e) { return lead(e)->cache.n_free; }
+
 m3_engine_stats m3_engine_get_stats(const m3_engine *e) {
     const m3_engine *l = lead(e);
     m3_engine_stats s = {l->mono_steps, l->stock_steps, l->graph_replays, -1, -1};

@@ -101,7 +101,19 @@ static inline int m3_engine_rows(const m3_engine *e) {
  * checks m3_generate makes before anything runs (sampler, prompt, new
  * tokens, context); whether token ends a sequence. */
 m3_status m3_gen_check(const m3_engine *eng, int n_prompt, const m3_gen_opts *opts);
+/* The same for a batch of n prompts decoded together: each as above, and
+ * together within the engine's sequences and free pages; the callback is
+ * on_request_token (on_token only for one prompt). */
+m3_status m3_gen_check_batch(const m3_engine *eng, int n, const int32_t *const *prompts,
+                             const int *n_prompts, const m3_gen_opts *opts);
+/* Give token (chosen from row_logits [vocab]) to request `request`'s
+ * result and the callbacks; false when that request's generation ends
+ * here (a callback said stop, end-of-sequence, or max_new_tokens). */
+bool m3_gen_emit(const m3_engine *eng, const m3_gen_opts *opts, int request, m3_gen_result *res,
+                 int32_t token, const float *row_logits);
 bool m3_config_is_eos(const m3_config *c, int32_t token);
+/* Pages of KV cache not held by any sequence (a TP front: its ranks'). */
+int32_t m3_engine_free_pages(const m3_engine *eng);
 
 /* Tap layers[0..n) on every later step of a TP 1 engine (n = 0: none):
  * the taps go to eng->taps in backend memory; the engine's captured graphs

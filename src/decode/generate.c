@@ -1,8 +1,12 @@
 /*
- * m3_generate: prefill a prompt into a fresh sequence in chunks of at most
- * max_rows rows, then decode one token per step until max_new_tokens or an
- * end-of-sequence token. Timing covers prefill and decode separately.
+ * m3_generate and m3_generate_batch: prefill each prompt into a fresh
+ * sequence in chunks of at most max_rows rows, then decode one token per
+ * request and step, the live requests together (up to max_rows a step),
+ * until each reaches max_new_tokens or an end-of-sequence token. One
+ * prompt is a batch of one. Timing covers prefill (each request's own)
+ * and decode (the batch's) separately.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,73 +49,202 @@ m3_status m3_gen_check(const m3_engine *e, int n_prompt, const m3_gen_opts *o) {
     return M3_OK;
 }
 
-/* Prefill in chunks; logits of the prompt's last row into logits. */
-static m3_status prefill(m3_engine *e, m3_seq seq, const int32_t *prompt, int n_prompt,
-                         float *logits) {
+m3_status m3_gen_check_batch(const m3_engine *e, int n, const int32_t *const *prompts,
+                             const int *n_prompts, const m3_gen_opts *o) {
+    if (n < 1 || n > e->opts.max_seqs)
+        return m3_fail(M3_ERR_INVALID_ARG, "a batch of %d prompts: the engine holds 1 to %d "
+                       "sequences (max_seqs)", n, e->opts.max_seqs);
+    if (!prompts || !n_prompts)
+        return m3_fail(M3_ERR_INVALID_ARG, "a batch needs its prompts and their lengths");
+    if (n > 1 && o->on_token)
+        return m3_fail(M3_ERR_INVALID_ARG, "on_token serves one prompt: a batch of %d calls "
+                       "on_request_token, which names the request", n);
+    int64_t pages = 0;
+    for (int i = 0; i < n; i++) {
+        if (!prompts[i])
+            return m3_fail(M3_ERR_INVALID_ARG, "prompt %d of the batch is missing", i);
+        m3_status st = m3_gen_check(e, n_prompts[i], o);
+        if (st && n > 1) { /* (the message is copied: m3_fail writes where it lies) */
+            char why[512];
+            snprintf(why, sizeof why, "%s", m3_last_error());
+            return m3_fail(st, "prompt %d of the batch: %s", i, why);
+        }
+        if (st)
+            return st;
+        int64_t need = (int64_t)n_prompts[i] + (o->max_new_tokens > 0 ? o->max_new_tokens - 1 : 0);
+        pages += (need + M3_PAGE_TOKENS - 1) / M3_PAGE_TOKENS;
+    }
+    if (pages > m3_engine_free_pages(e))
+        return m3_fail(M3_ERR_OUT_OF_PAGES, "a batch of %d prompts with %d new tokens each needs "
+                       "%lld pages of cache; %d are free (raise max_tokens)", n,
+                       o->max_new_tokens, (long long)pages, m3_engine_free_pages(e));
+    return M3_OK;
+}
+
+bool m3_gen_emit(const m3_engine *e, const m3_gen_opts *o, int request, m3_gen_result *res,
+                 int32_t token, const float *row_logits) {
+    int V = e->cfg.vocab_size;
+    res->tokens[res->n_tokens++] = token;
+    if (o->on_token && o->on_token(o->user, token, row_logits, V))
+        return false;
+    if (o->on_request_token && o->on_request_token(o->user, request, token, row_logits, V))
+        return false;
+    if (o->stop_at_eos && m3_config_is_eos(&e->cfg, token)) {
+        res->stopped_at_eos = true;
+        return false;
+    }
+    return res->n_tokens < o->max_new_tokens;
+}
+
+typedef struct batch {
+    m3_engine *e;
+    const m3_gen_opts *o;
+    int n;
+    m3_gen_result *res; /* [n] */
+    m3_seq *seqs;       /* [n] */
+    int32_t *tok;       /* [n]: each request's last token */
+    bool *live;         /* [n] */
+    float *logits;      /* [n, V]: each request's prefill logits */
+    /* a decode step's: G = min(n, max_rows) requests */
+    m3_request *rq;     /* [G] */
+    int *who;           /* [G]: the request of each */
+    int32_t *next;      /* [G]: their tokens */
+    float *step_logits; /* [G, V] when a callback reads them, else NULL */
+    m3_rng rng;
+} batch;
+
+/* Prefill request i in chunks; the logits of its last row into its row
+ * of b->logits. */
+static m3_status prefill(batch *b, int i, const int32_t *prompt, int n_prompt) {
+    m3_engine *e = b->e;
+    double t0 = m3_now_seconds();
+    float *row = b->logits + (size_t)i * e->cfg.vocab_size;
     for (int first = 0; first < n_prompt; first += e->opts.max_rows) {
         int n = n_prompt - first < e->opts.max_rows ? n_prompt - first : e->opts.max_rows;
-        m3_request rq = {seq, prompt + first, n};
-        M3_TRY(m3_engine_step(e, &rq, 1, logits, NULL));
+        m3_request rq = {b->seqs[i], prompt + first, n};
+        M3_TRY(m3_engine_step(e, &rq, 1, row, NULL));
+    }
+    b->res[i].prefill_seconds = m3_now_seconds() - t0;
+    return M3_OK;
+}
+
+/* One decode step of the live requests from `first` on, at most max_rows
+ * of them; *after = the request after the last one taken. */
+static m3_status decode_group(batch *b, int first, int64_t step, int *after) {
+    m3_engine *e = b->e;
+    size_t V = (size_t)e->cfg.vocab_size;
+    int k = 0, i = first;
+    for (; i < b->n && k < e->opts.max_rows; i++)
+        if (b->live[i]) {
+            b->who[k] = i;
+            b->rq[k++] = (m3_request){b->seqs[i], &b->tok[i], 1};
+        }
+    *after = i;
+    if (!k)
+        return M3_OK;
+    /* the logits travel to the host only when someone reads them */
+    M3_TRY(m3_engine_decode(e, b->rq, k, &b->o->sampler, &b->rng, step, b->next,
+                            b->step_logits));
+    for (int q = 0; q < k; q++) {
+        int r = b->who[q];
+        b->tok[r] = b->next[q];
+        b->live[r] = m3_gen_emit(e, b->o, r, &b->res[r], b->next[q],
+                                 b->step_logits ? b->step_logits + q * V : NULL);
     }
     return M3_OK;
 }
 
-/* The first token comes from the prefill's logits; each later one from a
- * decode step that samples on the device where the backend can. logits
- * holds the logits of the token just chosen (for on_token). */
-static m3_status run(m3_engine *e, m3_seq seq, const int32_t *prompt, int n_prompt,
-                     const m3_gen_opts *o, float *logits, m3_gen_result *res) {
-    int V = e->cfg.vocab_size;
-    m3_rng rng;
-    m3_rng_seed(&rng, o->sampler.seed);
-    double t0 = m3_now_seconds();
-    M3_TRY(prefill(e, seq, prompt, n_prompt, logits));
-    int32_t tok = 0;
-    if (o->max_new_tokens > 0)
-        M3_TRY(m3_sample(&o->sampler, &rng, logits, V, &tok));
-    double t1 = m3_now_seconds();
-    res->prefill_seconds = t1 - t0;
-    for (int i = 0; i < o->max_new_tokens; i++) {
-        res->tokens[res->n_tokens++] = tok;
-        if (o->on_token && o->on_token(o->user, tok, logits, V))
-            break;
-        if (o->stop_at_eos && m3_config_is_eos(&e->cfg, tok)) {
-            res->stopped_at_eos = true;
-            break;
-        }
-        if (i + 1 == o->max_new_tokens)
-            break; /* the last token needs no forward */
-        m3_request rq = {seq, &tok, 1};
-        int32_t next;
-        /* the logits travel to the host only when someone reads them */
-        M3_TRY(m3_engine_decode(e, &rq, 1, &o->sampler, &rng, i, &next,
-                                o->on_token ? logits : NULL));
-        tok = next;
+/* The first token of each request comes from its prefill's logits; each
+ * later one from a decode step that samples on the device where the
+ * backend can. */
+static m3_status run(batch *b, const int32_t *const *prompts, const int *n_prompts) {
+    m3_engine *e = b->e;
+    size_t V = (size_t)e->cfg.vocab_size;
+    m3_rng_seed(&b->rng, b->o->sampler.seed);
+    for (int i = 0; i < b->n; i++) {
+        M3_TRY(prefill(b, i, prompts[i], n_prompts[i]));
+        if (b->o->max_new_tokens > 0)
+            M3_TRY(m3_sample(&b->o->sampler, &b->rng, b->logits + i * V, (int)V, &b->tok[i]));
     }
-    res->decode_seconds = m3_now_seconds() - t1;
+    double t0 = m3_now_seconds();
+    for (int i = 0; i < b->n; i++)
+        b->live[i] = b->o->max_new_tokens > 0 &&
+                     m3_gen_emit(e, b->o, i, &b->res[i], b->tok[i], b->logits + i * V);
+    for (int64_t step = 0;; step++) {
+        int first = 0, any = 0;
+        for (int i = 0; i < b->n; i++)
+            any |= b->live[i];
+        if (!any)
+            break;
+        while (first < b->n)
+            M3_TRY(decode_group(b, first, step, &first));
+    }
+    double decode = m3_now_seconds() - t0;
+    for (int i = 0; i < b->n; i++)
+        b->res[i].decode_seconds = decode;
     return M3_OK;
+}
+
+/* Free every result's tokens (after a failure). */
+static void drop_results(int n, m3_gen_result *res) {
+    for (int i = 0; i < n; i++) {
+        free(res[i].tokens);
+        res[i].tokens = NULL;
+        res[i].n_tokens = 0;
+    }
+}
+
+m3_status m3_generate_batch(m3_engine *e, int n, const int32_t *const *prompts,
+                            const int *n_prompts, const m3_gen_opts *opts, m3_gen_result *res) {
+    if (res && n > 0)
+        memset(res, 0, (size_t)n * sizeof *res);
+    if (!e || !opts || !res)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_generate_batch: engine, options and results "
+                       "are required");
+    M3_TRY(m3_gen_check_batch(e, n, prompts, n_prompts, opts));
+    int G = n < e->opts.max_rows ? n : e->opts.max_rows;
+    size_t V = (size_t)e->cfg.vocab_size;
+    batch b = {.e = e, .o = opts, .n = n, .res = res};
+    b.seqs = m3_malloc((size_t)n * sizeof *b.seqs, "sequences");
+    b.tok = m3_malloc((size_t)n * sizeof *b.tok, "tokens");
+    b.live = m3_malloc((size_t)n * sizeof *b.live, "requests");
+    b.logits = m3_malloc((size_t)n * V * sizeof *b.logits, "logits");
+    b.rq = m3_malloc((size_t)G * sizeof *b.rq, "decode requests");
+    b.who = m3_malloc((size_t)G * sizeof *b.who, "decode requests");
+    b.next = m3_malloc((size_t)G * sizeof *b.next, "decode tokens");
+    bool read = opts->on_token || opts->on_request_token;
+    if (read)
+        b.step_logits = m3_malloc((size_t)G * V * sizeof *b.step_logits, "decode logits");
+    m3_status st = (!b.seqs || !b.tok || !b.live || !b.logits || !b.rq || !b.who || !b.next ||
+                    (read && !b.step_logits))
+                       ? M3_ERR_NO_MEMORY
+                       : M3_OK;
+    int made = 0;
+    for (int i = 0; !st && i < n; i++) {
+        res[i].n_prompt = n_prompts[i];
+        res[i].tokens = m3_malloc((size_t)(opts->max_new_tokens + 1) * sizeof *res[i].tokens,
+                                  "tokens");
+        st = res[i].tokens ? m3_seq_create(e, &b.seqs[i]) : M3_ERR_NO_MEMORY;
+        made += !st;
+    }
+    if (!st)
+        st = run(&b, prompts, n_prompts);
+    for (int i = 0; i < made; i++)
+        m3_seq_free(e, b.seqs[i]);
+    void *bufs[] = {b.seqs, b.tok, b.live, b.logits, b.rq, b.who, b.next, b.step_logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        free(bufs[i]);
+    if (st)
+        drop_results(n, res);
+    return st;
 }
 
 m3_status m3_generate(m3_engine *e, const int32_t *prompt, int n_prompt, const m3_gen_opts *opts,
                       m3_gen_result *res) {
-    memset(res, 0, sizeof *res);
-    if (!e || !prompt || !opts)
-        return m3_fail(M3_ERR_INVALID_ARG, "m3_generate: engine, prompt and options are required");
-    M3_TRY(m3_gen_check(e, n_prompt, opts));
-    res->n_prompt = n_prompt;
-    res->tokens = m3_malloc((size_t)(opts->max_new_tokens + 1) * sizeof *res->tokens, "tokens");
-    float *logits = m3_malloc((size_t)e->cfg.vocab_size * sizeof *logits, "logits");
-    m3_seq seq = -1;
-    m3_status st = (!res->tokens || !logits) ? M3_ERR_NO_MEMORY : m3_seq_create(e, &seq);
-    if (!st)
-        st = run(e, seq, prompt, n_prompt, opts, logits, res);
-    if (seq >= 0)
-        m3_seq_free(e, seq);
-    free(logits);
-    if (st) {
-        free(res->tokens);
-        res->tokens = NULL;
-        res->n_tokens = 0;
-    }
-    return st;
+    if (res)
+        memset(res, 0, sizeof *res);
+    if (!e || !prompt || !opts || !res)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_generate: engine, prompt, options and result "
+                       "are required");
+    return m3_generate_batch(e, 1, &prompt, &n_prompt, opts, res);
 }

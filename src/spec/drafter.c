@@ -189,12 +189,14 @@ void m3_drafter_free(m3_drafter *d) {
 static m3_status alloc_run(m3_drafter *d, m3_backend *be) {
     m3_draft_run *r = &d->run;
     const m3_config *a = &d->cfg.attn;
-    size_t R = (size_t)r->rows, B = (size_t)d->cfg.block, H = (size_t)a->hidden_size;
+    size_t R = (size_t)r->rows, G = (size_t)r->max_reqs, B = (size_t)d->cfg.block;
+    size_t H = (size_t)a->hidden_size, GB = G * B;
     size_t D = (size_t)a->head_dim, Nq = (size_t)a->num_q_heads, Nkv = (size_t)a->num_kv_heads;
     size_t F = (size_t)d->ffn_dim, V = (size_t)d->cfg.vocab_size, L = (size_t)a->num_layers;
     size_t page = (size_t)M3_PAGE_TOKENS * Nkv * D * 2;
     r->k_cache = calloc(2 * L, sizeof *r->k_cache);
-    if (!r->k_cache)
+    r->host_slots = m3_malloc(R * sizeof *r->host_slots, "the drafter's context slots");
+    if (!r->k_cache || !r->host_slots)
         return m3_fail(M3_ERR_NO_MEMORY, "out of memory for the drafter's cache table");
     r->v_cache = r->k_cache + L;
     for (size_t i = 0; i < L; i++) {
@@ -205,19 +207,20 @@ static m3_status alloc_run(m3_drafter *d, m3_backend *be) {
         void **p;
         size_t bytes;
     } bufs[] = {
-        {(void **)&r->ctx_u, R * H * 2},
-        {(void **)&r->ctx_h, R * H * 2},    {(void **)&r->ctx_k, R * Nkv * D * 2},
-        {(void **)&r->ctx_v, R * Nkv * D * 2}, {(void **)&r->tokens, B * 4},
-        {(void **)&r->positions, B * 8},    {(void **)&r->hidden, B * H * 2},
-        {(void **)&r->residual, B * H * 2}, {(void **)&r->x, B * H * 2},
-        {(void **)&r->o, B * H * 2},        {(void **)&r->final, B * H * 2},
-        {(void **)&r->q, B * Nq * D * 2},   {(void **)&r->attn, B * Nq * D * 2},
-        {(void **)&r->k, B * Nkv * D * 2},  {(void **)&r->v, B * Nkv * D * 2},
-        {(void **)&r->gate, B * F * 2},     {(void **)&r->up, B * F * 2},
-        {(void **)&r->act, B * F * 2},      {(void **)&r->logits, B * V * 4},
-        {(void **)&r->w1_row, (size_t)(d->cfg.markov_rank + 1) * 2},
-        {(void **)&r->bias, V * 4}, {(void **)&r->pages, (size_t)r->max_blocks * 4},
-        {(void **)&r->drafts, (B + 1) * 4},
+        {(void **)&r->ctx_slots, R * 8},     {(void **)&r->ctx_u, R * H * 2},
+        {(void **)&r->ctx_h, R * H * 2},     {(void **)&r->ctx_k, R * Nkv * D * 2},
+        {(void **)&r->ctx_v, R * Nkv * D * 2}, {(void **)&r->tokens, GB * 4},
+        {(void **)&r->positions, GB * 8},    {(void **)&r->hidden, GB * H * 2},
+        {(void **)&r->residual, GB * H * 2}, {(void **)&r->x, GB * H * 2},
+        {(void **)&r->o, GB * H * 2},        {(void **)&r->final, GB * H * 2},
+        {(void **)&r->q, GB * Nq * D * 2},   {(void **)&r->attn, GB * Nq * D * 2},
+        {(void **)&r->k, GB * Nkv * D * 2},  {(void **)&r->v, GB * Nkv * D * 2},
+        {(void **)&r->gate, GB * F * 2},     {(void **)&r->up, GB * F * 2},
+        {(void **)&r->act, GB * F * 2},      {(void **)&r->logits, GB * V * 4},
+        {(void **)&r->w1_rows, G * (size_t)(d->cfg.markov_rank + 1) * 2},
+        {(void **)&r->bias, G * V * 4},
+        {(void **)&r->pages, G * (size_t)r->max_blocks * 4},
+        {(void **)&r->drafts, (B + 1) * G * 4},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         M3_TRY(be->ops->alloc(be, bufs[i].bytes, bufs[i].p));
@@ -314,6 +317,10 @@ m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
     d->run.front = e;
     d->run.eng = r0;
     d->run.rows = r0->opts.max_rows;
+    /* a draft step's requests are verified in one target step */
+    int G = r0->opts.max_rows / (d->cfg.block + 1);
+    G = G < r0->opts.max_seqs ? G : r0->opts.max_seqs;
+    d->run.max_reqs = G < M3_MAX_DRAFT_REQS ? G : M3_MAX_DRAFT_REQS;
     d->run.n_pages = r0->cache.n_pages;
     d->run.max_blocks = r0->cache.max_blocks;
     d->run.target = e->ranks[0] ? &e->model->w : &r0->w;
@@ -334,8 +341,10 @@ void m3_drafter_detach(m3_drafter *d) {
     if (!r->eng)
         return;
     m3_backend *be = r->eng->be;
-    if (r->graph) /* (it holds the buffers below) */
-        be->ops->graph_free(be, r->graph);
+    for (int g = 0; g <= M3_MAX_DRAFT_REQS; g++)
+        if (r->graph[g]) /* (they hold the buffers below) */
+            be->ops->graph_free(be, r->graph[g]);
+    free(r->host_slots);
     for (int i = 0; r->k_cache && i < 2 * d->cfg.attn.num_layers; i++)
         if (r->k_cache[i])
             be->ops->release(be, r->k_cache[i]);
@@ -347,10 +356,10 @@ void m3_drafter_detach(m3_drafter *d) {
     d->n_owned = 0;
     free(d->bw.layers);
     memset(&d->bw, 0, sizeof d->bw);
-    void *bufs[] = {r->ctx_u, r->ctx_h, r->ctx_k, r->ctx_v, r->tokens, r->positions,
-                    r->hidden, r->residual, r->x, r->o, r->final, r->q, r->attn, r->k, r->v,
-                    r->gate, r->up, r->act, r->logits, r->w1_row, r->bias, r->pages,
-                    r->drafts};
+    void *bufs[] = {r->ctx_slots, r->ctx_u, r->ctx_h, r->ctx_k, r->ctx_v, r->tokens,
+                    r->positions, r->hidden, r->residual, r->x, r->o, r->final, r->q,
+                    r->attn, r->k, r->v, r->gate, r->up, r->act, r->logits, r->w1_rows,
+                    r->bias, r->pages, r->drafts};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         if (bufs[i])
             be->ops->release(be, bufs[i]);

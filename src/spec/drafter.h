@@ -36,32 +36,43 @@ typedef struct m3_draft_weights {
     m3_draft_layer *layers;          /* [cfg.attn.num_layers] */
 } m3_draft_weights;
 
+/* Most requests one draft step serves (SPEC §7: the drafter's kernels
+ * cover up to 8 requests a launch). */
+#define M3_MAX_DRAFT_REQS 8
+
 /* Activations and caches in the bound engine's backend memory; R = the
- * engine's rows per step. */
+ * engine's rows per step, G = max_reqs, requests of one draft step; a
+ * draft step's rows are request-major: row g*B + j is request g's row j. */
 typedef struct m3_draft_run {
     m3_engine *front;                /* the engine bound (NULL: not bound) */
     m3_engine *eng;                  /* the one whose backend, cache and steps the
                                       * drafter uses: front, or its rank 0 at TP > 1 */
     const m3_weights *target;        /* the target's embedding and lm_head, whole */
     int rows;                        /* R */
+    int max_reqs;                    /* G: min(8, the engine's max_seqs, R / (B + 1)) */
     int64_t n_pages;                 /* the engine's page pool */
     int max_blocks;                  /* its block table width */
     uint16_t **k_cache, **v_cache;   /* [layers] x [pages, Nkv, 128, D] */
-    void *graph;                     /* the draft step's CUDA graph (run_draft_step) */
-    int64_t replays;                 /* draft steps replayed from it */
+    void *graph[M3_MAX_DRAFT_REQS + 1]; /* the draft step's CUDA graph per request
+                                      * count (run_draft_step) */
+    int64_t replays;                 /* draft steps replayed from them */
+    int64_t *host_slots;             /* [R] host: the kept rows' slots, -1 the others */
+    int64_t *ctx_slots;              /* [R]: the same in backend memory */
     uint16_t *ctx_u, *ctx_h;         /* [R, H]: fc output, its norm */
     uint16_t *ctx_k, *ctx_v;         /* [R, Nkv*D] */
-    int32_t *tokens;                 /* [B] */
-    int64_t *positions;              /* [B] */
-    uint16_t *hidden, *residual, *x, *o, *final; /* [B, H] */
-    uint16_t *q, *attn;              /* [B, Nq*D] */
-    uint16_t *k, *v;                 /* [B, Nkv*D] */
-    uint16_t *gate, *up, *act;       /* [B, F] */
-    float *logits;                   /* [B, V] */
-    uint16_t *w1_row;                /* [r] */
-    float *bias;                     /* [V] */
-    int32_t *drafts;                 /* [B + 1]: the anchor, then each row's draft */
-    int32_t *pages;                  /* [max_blocks]: the draft step's block table */
+    int32_t *tokens;                 /* [G*B] */
+    int64_t *positions;              /* [G*B] */
+    uint16_t *hidden, *residual, *x, *o, *final; /* [G*B, H] */
+    uint16_t *q, *attn;              /* [G*B, Nq*D] */
+    uint16_t *k, *v;                 /* [G*B, Nkv*D] */
+    uint16_t *gate, *up, *act;       /* [G*B, F] */
+    float *logits;                   /* [G*B, V] */
+    uint16_t *w1_rows;               /* [G, r] */
+    float *bias;                     /* [G, V] */
+    int32_t *drafts;                 /* [B + 1, G]: row j's draft of request g at
+                                      * [j + 1, g], the anchors at [0, g] (a row's
+                                      * previous tokens lie together for the gather) */
+    int32_t *pages;                  /* [G, max_blocks]: the requests' block tables */
 } m3_draft_run;
 
 struct m3_drafter {
@@ -82,13 +93,19 @@ struct m3_drafter {
 m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e);
 void m3_drafter_detach(m3_drafter *d);
 
-/* The target step just run on the bound engine kept its first `rows` rows:
- * their taps become context K/V at their positions (draft_forward.c). */
-m3_status m3_drafter_extend(m3_drafter *d, int rows);
-/* The draft step for seq: anchor token at position p (context 0..p-1):
- * drafts[B] and, when logits is non-NULL, the rows' logits with the
- * Markov bias [B, V] (draft_forward.c). */
-m3_status m3_drafter_propose(m3_drafter *d, m3_seq seq, int64_t p, int32_t anchor,
-                             int32_t *drafts, float *logits);
+/* Of the first `rows` rows of the target step just run on the bound
+ * engine, those the target kept (keep[t] != 0; keep NULL: all of them):
+ * their taps become context K/V at their positions (draft_forward.c). The
+ * others' slots may already be another sequence's: nothing is written
+ * there. */
+m3_status m3_drafter_extend(m3_drafter *d, int rows, const uint8_t *keep);
+/* One draft step for n requests (1..max_reqs, distinct sequences):
+ * request g's anchor token anchors[g] at position p[g] (context
+ * 0..p[g]-1); drafts [n, B] and, when logits is non-NULL, the rows' logits
+ * with the Markov bias [n, B, V] (draft_forward.c). A request's drafts do
+ * not depend on the others in the step where the backend's rows do not
+ * (the CPU's). */
+m3_status m3_drafter_propose(m3_drafter *d, int n, const m3_seq *seqs, const int64_t *p,
+                             const int32_t *anchors, int32_t *drafts, float *logits);
 
 #endif

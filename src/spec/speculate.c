@@ -1,12 +1,14 @@
 /*
  * Speculative decoding's loop (SPEC §7 "Verify", docs/DSPARK.md): prefill
- * the prompt, then repeatedly let a proposer draft up to B tokens after the
- * anchor (the last token chosen), run the target over [anchor, drafts] in
- * one step with every row's logits, keep the drafts while they equal the
- * target's greedy choice, emit the target's token at the first mismatch
- * (or after all B), cut the sequence back to the kept rows and hand those
- * rows to the proposer as context. The emitted tokens and the logits they
- * were chosen from are exactly plain greedy decoding's.
+ * each prompt, then repeatedly let a proposer draft up to B tokens after
+ * each request's anchor (the last token chosen), up to G requests in one
+ * draft step, run the target over every request's [anchor, drafts] in one
+ * step, keep a request's drafts while they equal the target's greedy
+ * choice, emit the target's token at its first mismatch (or after all B),
+ * cut each sequence back to its kept rows and hand those rows to the
+ * proposer as context. The emitted tokens and the logits they were chosen
+ * from are exactly plain greedy decoding's (for a batch: where the target's
+ * rows do not depend on the batch).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -16,46 +18,44 @@
 #include "spec/drafter.h"
 #include "spec/speculate.h"
 
-static m3_status check_opts(const m3_engine *e, const m3_proposer *pr, int n_prompt,
+static m3_status check_opts(const m3_engine *e, const m3_proposer *pr, int n,
+                            const int32_t *const *prompts, const int *n_prompts,
                             const m3_gen_opts *o) {
-    M3_TRY(m3_gen_check(e, n_prompt, o));
+    M3_TRY(m3_gen_check_batch(e, n, prompts, n_prompts, o));
     if (o->sampler.temperature != 0)
         return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding is greedy only: temperature "
                        "%g must be 0", (double)o->sampler.temperature);
     if (pr->block < 1 || pr->block > M3_MAX_DRAFT_BLOCK || pr->block + 1 > e->opts.max_rows)
         return m3_fail(M3_ERR_INVALID_ARG, "a draft block of %d rows (the verify step's %d "
                        "rows must fit max_rows %d)", pr->block, pr->block + 1, e->opts.max_rows);
+    if (pr->max_reqs < 1)
+        return m3_fail(M3_ERR_INVALID_ARG, "a proposer of %d requests a step", pr->max_reqs);
     return M3_OK;
 }
+
+typedef struct req {
+    m3_seq seq;
+    int64_t p;      /* the anchor's position */
+    int32_t anchor; /* the last token chosen */
+    bool live;
+} req;
 
 typedef struct loop {
     m3_engine *e;
     const m3_proposer *pr;
     const m3_gen_opts *o;
-    m3_gen_result *res;
+    m3_gen_result *res;   /* [n] */
     m3_spec_stats *stats;
-    m3_seq seq;
-    int V;
-    float *logits;        /* [B + 1, V]: the verify step's rows */
-    float *draft_logits;  /* [B, V] when the steps' logits are kept */
-    bool done;
+    int n, G, B, V;       /* G: requests a cycle */
+    req *rq;              /* [n] */
+    bool read;            /* a callback reads the tokens' logits */
+    float *logits;        /* [G * (B + 1), V]: a verify step's rows (a prefill's last: row 0) */
+    float *draft_logits;  /* [G * B, V] when the steps' logits are kept */
 } loop;
 
-/* Emit token (chosen from row_logits); false when generation ends here. */
-static bool emit(loop *l, int32_t token, const float *row_logits) {
-    m3_gen_result *res = l->res;
-    res->tokens[res->n_tokens++] = token;
-    if (l->o->on_token && l->o->on_token(l->o->user, token, row_logits, l->V))
-        return false;
-    if (l->o->stop_at_eos && m3_config_is_eos(&l->e->cfg, token)) {
-        res->stopped_at_eos = true;
-        return false;
-    }
-    return res->n_tokens < l->o->max_new_tokens;
-}
-
-/* Keep a record of one draft step (and its logits) in the stats. */
-static m3_status record(loop *l, int64_t p, int32_t anchor, const int32_t *drafts, int nb,
+/* Keep a record of request r's part of a draft step (its drafts' logits
+ * at draft_logits, [B, V]) in the stats. */
+static m3_status record(loop *l, int r, const int32_t *drafts, const float *draft_logits, int nb,
                         int n_acc) {
     m3_spec_stats *s = l->stats;
     s->cycles++;
@@ -63,7 +63,7 @@ static m3_status record(loop *l, int64_t p, int32_t anchor, const int32_t *draft
     s->accepted += n_acc;
     if (!s->keep_steps)
         return M3_OK;
-    int B = l->pr->block;
+    int B = l->B;
     size_t n = (size_t)s->n_steps + 1;
     m3_spec_step *steps = realloc(s->steps, n * sizeof *steps);
     if (!steps)
@@ -71,8 +71,9 @@ static m3_status record(loop *l, int64_t p, int32_t anchor, const int32_t *draft
     s->steps = steps;
     m3_spec_step *st = &steps[n - 1];
     memset(st, 0, sizeof *st);
-    st->pos = p;
-    st->anchor = anchor;
+    st->request = r;
+    st->pos = l->rq[r].p;
+    st->anchor = l->rq[r].anchor;
     st->n_drafts = B;
     st->verified = nb;
     st->accepted = n_acc;
@@ -83,120 +84,230 @@ static m3_status record(loop *l, int64_t p, int32_t anchor, const int32_t *draft
         if (!all)
             return m3_fail(M3_ERR_NO_MEMORY, "out of memory keeping draft logits");
         s->draft_logits = all;
-        memcpy(all + (n - 1) * row, l->draft_logits, row * sizeof *all);
+        memcpy(all + (n - 1) * row, draft_logits, row * sizeof *all);
     }
     s->n_steps = (int)n;
     return M3_OK;
 }
 
-/* One draft-and-verify cycle from anchor token a at position p. */
-static m3_status cycle(loop *l, int64_t *p, int32_t *anchor) {
-    const m3_proposer *pr = l->pr;
-    int B = pr->block, V = l->V;
-    int remaining = l->o->max_new_tokens - l->res->n_tokens;
-    int nb = B < remaining - 1 ? B : remaining - 1; /* drafts verified: emits <= nb + 1 */
-    int32_t rows[M3_MAX_DRAFT_BLOCK + 1], drafts[M3_MAX_DRAFT_BLOCK];
-    rows[0] = *anchor;
-    double t0 = m3_now_seconds();
-    if (nb > 0) {
-        M3_TRY(pr->propose(pr->self, l->seq, *p, *anchor, drafts, l->draft_logits));
-        memcpy(rows + 1, drafts, (size_t)nb * sizeof *drafts);
-    }
-    double t1 = m3_now_seconds();
-    m3_request rq = {l->seq, rows, nb + 1};
-    /* row i's greedy token is the target's for position p + 1 + i; the
-     * rows' logits come to the host only when on_token reads them or the
-     * backend cannot choose tokens */
-    int n_acc = 0;
-    int32_t target = 0;
-    if (l->o->on_token || !m3_engine_greedy_on_device(l->e)) {
-        M3_TRY(m3_engine_step(l->e, &rq, 1, NULL, l->logits));
-        m3_sampler greedy = {0, 0, 1, 0}; /* temperature 0: argmax, lowest id on ties */
-        for (;;) {
-            M3_TRY(m3_sample(&greedy, NULL, l->logits + (size_t)n_acc * V, V, &target));
-            if (n_acc == nb || target != drafts[n_acc])
-                break;
-            n_acc++;
+/* A cycle's requests: who[q] the request, nb[q] its drafts verified,
+ * slot[q] its place in the draft step (-1: nothing drafted, one token
+ * left), first[q] its first row in the verify step. */
+typedef struct group {
+    int m, rows;
+    int who[M3_MAX_DRAFT_REQS], nb[M3_MAX_DRAFT_REQS], slot[M3_MAX_DRAFT_REQS];
+    int first[M3_MAX_DRAFT_REQS + 1];
+    int n_acc[M3_MAX_DRAFT_REQS];
+    int32_t target[M3_MAX_DRAFT_REQS];
+    int32_t drafts[M3_MAX_DRAFT_REQS * M3_MAX_DRAFT_BLOCK];
+    int32_t rows_tok[M3_MAX_DRAFT_REQS * (M3_MAX_DRAFT_BLOCK + 1)];
+} group;
+
+/* The drafts of the group's requests that have room for any. */
+static m3_status propose(loop *l, group *g) {
+    m3_seq seqs[M3_MAX_DRAFT_REQS];
+    int64_t p[M3_MAX_DRAFT_REQS];
+    int32_t anchors[M3_MAX_DRAFT_REQS];
+    int k = 0;
+    for (int q = 0; q < g->m; q++) {
+        const req *r = &l->rq[g->who[q]];
+        int remaining = l->o->max_new_tokens - l->res[g->who[q]].n_tokens;
+        g->nb[q] = l->B < remaining - 1 ? l->B : remaining - 1; /* emits <= nb + 1 */
+        g->slot[q] = g->nb[q] > 0 ? k : -1;
+        if (g->nb[q] > 0) {
+            seqs[k] = r->seq;
+            p[k] = r->p;
+            anchors[k++] = r->anchor;
         }
-    } else {
-        int32_t targets[M3_MAX_DRAFT_BLOCK + 1];
-        M3_TRY(m3_engine_step_greedy(l->e, &rq, 1, targets));
-        while (n_acc < nb && targets[n_acc] == drafts[n_acc])
-            n_acc++;
-        target = targets[n_acc];
-        if (target < 0) /* (rows after the first mismatch are not read) */
-            return m3_fail(M3_ERR_FAULT, "every logit is NaN");
     }
-    double t2 = m3_now_seconds();
-    if (nb > 0)
-        M3_TRY(record(l, *p, *anchor, drafts, nb, n_acc));
-    /* the kept rows: the anchor and the accepted drafts */
-    M3_TRY(m3_engine_set_len(l->e, l->seq, *p + n_acc + 1));
-    double t3 = m3_now_seconds();
-    M3_TRY(pr->extend(pr->self, n_acc + 1));
-    l->stats->draft_seconds += (t1 - t0) + (m3_now_seconds() - t3);
-    l->stats->verify_seconds += t2 - t1;
-    for (int i = 0; i < n_acc && !l->done; i++)
-        l->done = !emit(l, drafts[i], l->logits + (size_t)i * V);
-    if (!l->done)
-        l->done = !emit(l, target, l->logits + (size_t)n_acc * V);
-    *p += n_acc + 1;
-    *anchor = l->res->tokens[l->res->n_tokens - 1];
+    if (!k)
+        return M3_OK;
+    return l->pr->propose(l->pr->self, k, seqs, p, anchors, g->drafts, l->draft_logits);
+}
+
+/* The target's step over each request's [anchor, drafts]; n_acc and the
+ * target's token at the first mismatch (or after every draft). Row i of
+ * a request has the target's greedy token for position p + 1 + i; the
+ * rows' logits come to the host only when a callback reads them or the
+ * backend cannot choose tokens. */
+static m3_status verify(loop *l, group *g) {
+    m3_request vr[M3_MAX_DRAFT_REQS];
+    int rows = 0;
+    for (int q = 0; q < g->m; q++) {
+        const req *r = &l->rq[g->who[q]];
+        g->first[q] = rows;
+        g->rows_tok[rows] = r->anchor;
+        if (g->nb[q] > 0)
+            memcpy(g->rows_tok + rows + 1, g->drafts + (size_t)g->slot[q] * l->B,
+                   (size_t)g->nb[q] * sizeof(int32_t));
+        vr[q] = (m3_request){r->seq, g->rows_tok + rows, g->nb[q] + 1};
+        rows += g->nb[q] + 1;
+    }
+    g->first[g->m] = g->rows = rows;
+    int32_t targets[M3_MAX_DRAFT_REQS * (M3_MAX_DRAFT_BLOCK + 1)];
+    bool host = l->read || !m3_engine_greedy_on_device(l->e);
+    if (host)
+        M3_TRY(m3_engine_step(l->e, vr, g->m, NULL, l->logits));
+    else
+        M3_TRY(m3_engine_step_greedy(l->e, vr, g->m, targets));
+    m3_sampler greedy = {0, 0, 1, 0}; /* temperature 0: argmax, lowest id on ties */
+    for (int q = 0; q < g->m; q++) {
+        const int32_t *d = g->rows_tok + g->first[q] + 1;
+        int32_t *t = targets + g->first[q];
+        /* rows after the first mismatch are not read */
+        for (int n_acc = 0;; n_acc++) {
+            if (host)
+                M3_TRY(m3_sample(&greedy, NULL, l->logits + (size_t)(g->first[q] + n_acc) * l->V,
+                                 l->V, &t[n_acc]));
+            if (t[n_acc] < 0)
+                return m3_fail(M3_ERR_FAULT, "every logit is NaN");
+            if (n_acc == g->nb[q] || t[n_acc] != d[n_acc]) {
+                g->n_acc[q] = n_acc;
+                g->target[q] = t[n_acc];
+                break;
+            }
+        }
+    }
     return M3_OK;
 }
 
-static m3_status run(loop *l, const int32_t *prompt, int n_prompt) {
+/* One draft-and-verify cycle of the group's requests. */
+static m3_status cycle(loop *l, group *g) {
+    double t0 = m3_now_seconds();
+    M3_TRY(propose(l, g));
+    double t1 = m3_now_seconds();
+    M3_TRY(verify(l, g));
+    double t2 = m3_now_seconds();
+    uint8_t keep[M3_MAX_DRAFT_REQS * (M3_MAX_DRAFT_BLOCK + 1)];
+    memset(keep, 0, sizeof keep);
+    for (int q = 0; q < g->m; q++) {
+        req *r = &l->rq[g->who[q]];
+        if (g->nb[q] > 0)
+            M3_TRY(record(l, g->who[q], g->drafts + (size_t)g->slot[q] * l->B,
+                          l->draft_logits ? l->draft_logits + (size_t)g->slot[q] * l->B * l->V
+                                          : NULL,
+                          g->nb[q], g->n_acc[q]));
+        /* the kept rows: the anchor and the accepted drafts */
+        M3_TRY(m3_engine_set_len(l->e, r->seq, r->p + g->n_acc[q] + 1));
+        memset(keep + g->first[q], 1, (size_t)g->n_acc[q] + 1);
+    }
+    double t3 = m3_now_seconds();
+    M3_TRY(l->pr->extend(l->pr->self, g->rows, keep));
+    l->stats->batch_steps++;
+    l->stats->draft_seconds += (t1 - t0) + (m3_now_seconds() - t3);
+    l->stats->verify_seconds += t2 - t1;
+    for (int q = 0; q < g->m; q++) {
+        int i = g->who[q];
+        req *r = &l->rq[i];
+        const float *rows = l->read ? l->logits + (size_t)g->first[q] * l->V : NULL;
+        const int32_t *d = g->rows_tok + g->first[q] + 1;
+        bool live = true;
+        for (int a = 0; a < g->n_acc[q] && live; a++)
+            live = m3_gen_emit(l->e, l->o, i, &l->res[i], d[a], rows ? rows + (size_t)a * l->V
+                                                                     : NULL);
+        if (live)
+            live = m3_gen_emit(l->e, l->o, i, &l->res[i], g->target[q],
+                               rows ? rows + (size_t)g->n_acc[q] * l->V : NULL);
+        r->live = live;
+        r->p += g->n_acc[q] + 1;
+        r->anchor = l->res[i].tokens[l->res[i].n_tokens - 1];
+    }
+    return M3_OK;
+}
+
+/* Prefill request i in chunks, handing each chunk to the proposer as
+ * context; its first token, greedy from the last row. */
+static m3_status prefill(loop *l, int i, const int32_t *prompt, int n_prompt) {
     m3_engine *e = l->e;
     double t0 = m3_now_seconds();
     for (int first = 0; first < n_prompt; first += e->opts.max_rows) {
         int n = n_prompt - first < e->opts.max_rows ? n_prompt - first : e->opts.max_rows;
-        m3_request rq = {l->seq, prompt + first, n};
+        m3_request rq = {l->rq[i].seq, prompt + first, n};
         M3_TRY(m3_engine_step(e, &rq, 1, l->logits, NULL));
-        M3_TRY(l->pr->extend(l->pr->self, n));
+        M3_TRY(l->pr->extend(l->pr->self, n, NULL));
     }
-    l->res->prefill_seconds = m3_now_seconds() - t0;
-    double t1 = m3_now_seconds();
+    l->res[i].prefill_seconds = m3_now_seconds() - t0;
+    l->rq[i].p = n_prompt;
     if (l->o->max_new_tokens > 0) {
-        m3_sampler greedy = {0, 0, 1, 0}; /* temperature 0: argmax, lowest id on ties */
-        int32_t tok;
-        M3_TRY(m3_sample(&greedy, NULL, l->logits, l->V, &tok));
-        l->done = !emit(l, tok, l->logits);
-        int64_t p = n_prompt;
-        while (!l->done)
-            M3_TRY(cycle(l, &p, &tok));
+        m3_sampler greedy = {0, 0, 1, 0};
+        M3_TRY(m3_sample(&greedy, NULL, l->logits, l->V, &l->rq[i].anchor));
+        l->rq[i].live = m3_gen_emit(e, l->o, i, &l->res[i], l->rq[i].anchor, l->logits);
     }
-    l->res->decode_seconds = m3_now_seconds() - t1;
     return M3_OK;
 }
 
-m3_status m3_speculate(m3_engine *e, const m3_proposer *pr, const int32_t *prompt, int n_prompt,
-                       const m3_gen_opts *o, m3_gen_result *res, m3_spec_stats *stats) {
+static m3_status run(loop *l, const int32_t *const *prompts, const int *n_prompts) {
+    for (int i = 0; i < l->n; i++)
+        M3_TRY(prefill(l, i, prompts[i], n_prompts[i]));
+    double t0 = m3_now_seconds();
+    for (;;) {
+        /* every live request takes one cycle, G of them at once */
+        group g = {0};
+        bool any = false;
+        for (int i = 0; i <= l->n; i++) {
+            if (i < l->n && l->rq[i].live)
+                g.who[g.m++] = i;
+            if (g.m == l->G || (i == l->n && g.m)) {
+                M3_TRY(cycle(l, &g));
+                any = true;
+                g.m = 0;
+            }
+        }
+        if (!any)
+            break;
+    }
+    double decode = m3_now_seconds() - t0;
+    for (int i = 0; i < l->n; i++)
+        l->res[i].decode_seconds = decode;
+    return M3_OK;
+}
+
+m3_status m3_speculate(m3_engine *e, const m3_proposer *pr, int n, const int32_t *const *prompts,
+                       const int *n_prompts, const m3_gen_opts *o, m3_gen_result *res,
+                       m3_spec_stats *stats) {
     bool keep_steps = stats->keep_steps, keep_logits = stats->keep_draft_logits;
     memset(stats, 0, sizeof *stats);
     stats->keep_steps = keep_steps || keep_logits;
     stats->keep_draft_logits = keep_logits;
-    memset(res, 0, sizeof *res);
-    M3_TRY(check_opts(e, pr, n_prompt, o));
-    loop l = {e, pr, o, res, stats, -1, e->cfg.vocab_size, NULL, NULL, false};
-    res->n_prompt = n_prompt;
-    res->tokens = m3_malloc((size_t)(o->max_new_tokens + 1) * sizeof *res->tokens, "tokens");
-    l.logits = m3_malloc((size_t)(pr->block + 1) * l.V * sizeof *l.logits, "verify logits");
+    if (n > 0)
+        memset(res, 0, (size_t)n * sizeof *res);
+    M3_TRY(check_opts(e, pr, n, prompts, n_prompts, o));
+    loop l = {.e = e, .pr = pr, .o = o, .res = res, .stats = stats, .n = n, .B = pr->block,
+              .V = e->cfg.vocab_size, .read = o->on_token || o->on_request_token};
+    l.G = e->opts.max_rows / (pr->block + 1);
+    l.G = l.G < pr->max_reqs ? l.G : pr->max_reqs;
+    l.G = l.G < n ? l.G : n;
+    l.G = l.G < M3_MAX_DRAFT_REQS ? l.G : M3_MAX_DRAFT_REQS;
+    l.rq = m3_malloc((size_t)n * sizeof *l.rq, "requests");
+    l.logits = m3_malloc((size_t)l.G * (pr->block + 1) * l.V * sizeof *l.logits,
+                         "verify logits");
     if (keep_logits)
-        l.draft_logits = m3_malloc((size_t)pr->block * l.V * sizeof *l.draft_logits,
+        l.draft_logits = m3_malloc((size_t)l.G * pr->block * l.V * sizeof *l.draft_logits,
                                    "draft logits");
-    m3_status st = (!res->tokens || !l.logits || (keep_logits && !l.draft_logits))
-                       ? M3_ERR_NO_MEMORY
-                       : m3_seq_create(e, &l.seq);
+    m3_status st = (!l.rq || !l.logits || (keep_logits && !l.draft_logits)) ? M3_ERR_NO_MEMORY
+                                                                            : M3_OK;
+    int made = 0;
+    for (int i = 0; !st && i < n; i++) {
+        res[i].n_prompt = n_prompts[i];
+        res[i].tokens = m3_malloc((size_t)(o->max_new_tokens + 1) * sizeof *res[i].tokens,
+                                  "tokens");
+        l.rq[i] = (req){-1, 0, 0, false};
+        st = res[i].tokens ? m3_seq_create(e, &l.rq[i].seq) : M3_ERR_NO_MEMORY;
+        made += !st;
+    }
     if (!st)
-        st = run(&l, prompt, n_prompt);
-    if (l.seq >= 0)
-        m3_seq_free(e, l.seq);
+        st = run(&l, prompts, n_prompts);
+    for (int i = 0; i < made; i++)
+        m3_seq_free(e, l.rq[i].seq);
+    free(l.rq);
     free(l.logits);
     free(l.draft_logits);
     if (st) {
-        free(res->tokens);
-        res->tokens = NULL;
-        res->n_tokens = 0;
+        for (int i = 0; i < n; i++) {
+            free(res[i].tokens);
+            res[i].tokens = NULL;
+            res[i].n_tokens = 0;
+        }
         m3_spec_stats_free(stats);
     }
     return st;
@@ -214,29 +325,42 @@ void m3_spec_stats_free(m3_spec_stats *s) {
 
 /* ------------------------------------------------------------ the drafter */
 
-static m3_status drafter_extend(void *self, int rows) { return m3_drafter_extend(self, rows); }
+static m3_status drafter_extend(void *self, int rows, const uint8_t *keep) {
+    return m3_drafter_extend(self, rows, keep);
+}
 
-static m3_status drafter_propose(void *self, m3_seq seq, int64_t p, int32_t anchor,
-                                 int32_t *drafts, float *logits) {
-    return m3_drafter_propose(self, seq, p, anchor, drafts, logits);
+static m3_status drafter_propose(void *self, int n, const m3_seq *seqs, const int64_t *p,
+                                 const int32_t *anchors, int32_t *drafts, float *logits) {
+    return m3_drafter_propose(self, n, seqs, p, anchors, drafts, logits);
+}
+
+m3_status m3_generate_speculative_batch(m3_engine *e, m3_drafter *d, int n,
+                                        const int32_t *const *prompts, const int *n_prompts,
+                                        const m3_gen_opts *opts, m3_gen_result *res,
+                                        m3_spec_stats *stats) {
+    m3_spec_stats local = {0};
+    if (!stats)
+        stats = &local;
+    if (res && n > 0)
+        memset(res, 0, (size_t)n * sizeof *res);
+    if (!e || !d || !opts || !res)
+        return m3_fail(M3_ERR_INVALID_ARG, "speculative decoding: engine, drafter, options and "
+                       "results are required");
+    M3_TRY(m3_drafter_attach(d, e));
+    m3_proposer pr = {d->cfg.block, d->run.max_reqs, d, drafter_extend, drafter_propose};
+    int64_t replays = d->run.replays;
+    m3_status st = m3_speculate(e, &pr, n, prompts, n_prompts, opts, res, stats);
+    stats->draft_replays = d->run.replays - replays;
+    m3_drafter_detach(d);
+    return st;
 }
 
 m3_status m3_generate_speculative(m3_engine *e, m3_drafter *d, const int32_t *prompt,
                                   int n_prompt, const m3_gen_opts *opts, m3_gen_result *res,
                                   m3_spec_stats *stats) {
-    m3_spec_stats local = {0};
-    if (!stats)
-        stats = &local;
     if (res)
         memset(res, 0, sizeof *res);
-    if (!e || !d || !prompt || !opts || !res)
-        return m3_fail(M3_ERR_INVALID_ARG, "m3_generate_speculative: engine, drafter, prompt, "
-                       "options and result are required");
-    M3_TRY(m3_drafter_attach(d, e));
-    m3_proposer pr = {d->cfg.block, d, drafter_extend, drafter_propose};
-    int64_t replays = d->run.replays;
-    m3_status st = m3_speculate(e, &pr, prompt, n_prompt, opts, res, stats);
-    stats->draft_replays = d->run.replays - replays;
-    m3_drafter_detach(d);
-    return st;
+    if (!prompt)
+        return m3_fail(M3_ERR_INVALID_ARG, "m3_generate_speculative: the prompt is required");
+    return m3_generate_speculative_batch(e, d, 1, &prompt, &n_prompt, opts, res, stats);
 }

@@ -10,18 +10,22 @@
 #include "decode/engine.h"
 
 typedef struct m3_proposer {
-    int block; /* B: drafts per step */
+    int block;    /* B: drafts per request and step */
+    int max_reqs; /* most requests one propose call takes (>= 1) */
     void *self;
-    /* The target step just run kept its first `rows` rows (eng->step). */
-    m3_status (*extend)(void *self, int rows);
-    /* B drafts after anchor at position p; logits [B, V] when non-NULL. */
-    m3_status (*propose)(void *self, m3_seq seq, int64_t p, int32_t anchor, int32_t *drafts,
-                         float *logits);
+    /* Of the first `rows` rows of the target step just run (eng->step),
+     * the target kept those with keep[t] != 0 (keep NULL: all). */
+    m3_status (*extend)(void *self, int rows, const uint8_t *keep);
+    /* B drafts for each of n requests (anchor anchors[g] at position p[g]):
+     * drafts [n, B]; logits [n, B, V] when non-NULL. */
+    m3_status (*propose)(void *self, int n, const m3_seq *seqs, const int64_t *p,
+                         const int32_t *anchors, int32_t *drafts, float *logits);
 } m3_proposer;
 
-/* m3_generate_speculative with any proposer (greedy; stats as there). */
-m3_status m3_speculate(m3_engine *eng, const m3_proposer *pr, const int32_t *prompt,
-                       int n_prompt, const m3_gen_opts *opts, m3_gen_result *res,
-                       m3_spec_stats *stats);
+/* m3_generate_speculative_batch with any proposer (greedy; results and
+ * stats as there): n prompts, res [n]. */
+m3_status m3_speculate(m3_engine *eng, const m3_proposer *pr, int n,
+                       const int32_t *const *prompts, const int *n_prompts,
+                       const m3_gen_opts *opts, m3_gen_result *res, m3_spec_stats *stats);
 
 #endif

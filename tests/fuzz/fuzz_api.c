@@ -4,8 +4,9 @@
  * never made or already freed), steps with 0-4 requests of 0-11 tokens
  * (ids out of the vocabulary, a sequence twice, past the context or the
  * cache), decode steps that sample with any sampler (negative, NaN or
- * infinite temperature, top-k and top-p out of range), m3_generate (any
- * prompt length, token count, sampler and early stop), and m3_sample on
+ * infinite temperature, top-k and top-p out of range), m3_generate and
+ * m3_generate_batch (any prompt lengths, token count, sampler and early
+ * stop; batches beyond the free sequences or pages), and m3_sample on
  * logits with NaN and infinities. The engine is one of: stock, auto, mono
  * at TP 1 or auto at TP 2 (CPU). Properties (include/m3.h): a failing call
  * says why; on failure no sequence changes (every live sequence keeps its
@@ -156,21 +157,45 @@ static void op_sample(fuzz_bytes *s) {
 }
 
 /* m3_generate on a prompt of 0-24 tokens (sometimes past the context),
- * 0-5 new tokens (or -1), any sampler, stopping at EOS or not, and an
- * on_token callback that may stop early. It works in a sequence of its
- * own and frees it: the live sequences keep their lengths either way. */
+ * 0-5 new tokens (or -1), any sampler, stopping at EOS or not, and a
+ * callback that may stop early; or m3_generate_batch on 0-4 such prompts
+ * (more than the free sequences or pages at times) with a callback that
+ * may stop one request. It works in sequences of its own and frees them:
+ * the live sequences keep their lengths either way. */
 static int stop_after(void *user, int32_t token, const float *logits, int vocab) {
     int *left = user;
     (void)token, (void)logits, (void)vocab;
     return --*left <= 0;
 }
 
+static int stop_request_after(void *user, int request, int32_t token, const float *logits,
+                              int vocab) {
+    int *left = user;
+    (void)token, (void)logits, (void)vocab;
+    return request == 0 && --*left <= 0;
+}
+
+static void check_result(const m3_gen_result *res, int max_new, const char *what) {
+    if (res->n_tokens < 0 || res->n_tokens > max_new)
+        fuzz_fail("%s made %d tokens of %d", what, res->n_tokens, max_new);
+    for (int i = 0; i < res->n_tokens; i++)
+        if (res->tokens[i] < 0 || res->tokens[i] >= kVocab)
+            fuzz_fail("%s made token %d", what, res->tokens[i]);
+}
+
 static void op_generate(fuzz_bytes *s, state *st) {
-    int32_t prompt[300];
-    unsigned b = fuzz_take(s);
-    int n_prompt = b >= 250 ? 300 : (int)(b % 25);
-    for (int i = 0; i < n_prompt; i++)
-        prompt[i] = (int32_t)(fuzz_take(s) % kVocab);
+    enum { kBatch = 4 };
+    static int32_t prompt[kBatch][300];
+    const int32_t *prompts[kBatch];
+    int n_prompt[kBatch];
+    int n = (int)(fuzz_take(s) % (kBatch + 1)); /* 0: m3_generate */
+    for (int r = 0; r < (n ? n : 1); r++) {
+        unsigned b = fuzz_take(s);
+        n_prompt[r] = b >= 250 ? 300 : (int)(b % 25);
+        for (int i = 0; i < n_prompt[r]; i++)
+            prompt[r][i] = (int32_t)(fuzz_take(s) % kVocab);
+        prompts[r] = prompt[r];
+    }
     m3_gen_opts o = m3_gen_defaults();
     o.max_new_tokens = (int)(fuzz_take(s) % 7) - 1;
     o.sampler = (m3_sampler){kTemps[fuzz_take(s) % COUNT(kTemps)],
@@ -179,23 +204,23 @@ static void op_generate(fuzz_bytes *s, state *st) {
     o.stop_at_eos = fuzz_take(s) % 2;
     int left = (int)(fuzz_take(s) % 4);
     if (left) {
-        o.on_token = stop_after;
+        o.on_token = n ? NULL : stop_after;
+        o.on_request_token = n ? stop_request_after : NULL;
         o.user = &left;
     }
-    m3_gen_result res;
-    m3_status rc = m3_generate(st->eng, prompt, n_prompt, &o, &res);
-    fuzz_check_refusal(rc, "m3_generate");
-    if (rc == M3_OK) {
-        if (res.n_tokens < 0 || res.n_tokens > o.max_new_tokens)
-            fuzz_fail("m3_generate made %d tokens of %d", res.n_tokens, o.max_new_tokens);
-        for (int i = 0; i < res.n_tokens; i++)
-            if (res.tokens[i] < 0 || res.tokens[i] >= kVocab)
-                fuzz_fail("m3_generate made token %d", res.tokens[i]);
-        free(res.tokens);
-    } else if (res.tokens || res.n_tokens) {
-        fuzz_fail("a failed m3_generate left %d tokens", res.n_tokens);
+    m3_gen_result res[kBatch];
+    const char *what = n ? "m3_generate_batch" : "m3_generate";
+    m3_status rc = n ? m3_generate_batch(st->eng, n, prompts, n_prompt, &o, res)
+                     : m3_generate(st->eng, prompts[0], n_prompt[0], &o, &res[0]);
+    fuzz_check_refusal(rc, what);
+    for (int r = 0; r < (n ? n : 1); r++) {
+        if (rc == M3_OK)
+            check_result(&res[r], o.max_new_tokens, what);
+        else if (res[r].tokens || res[r].n_tokens)
+            fuzz_fail("a failed %s left %d tokens", what, res[r].n_tokens);
+        free(res[r].tokens);
     }
-    check_lengths(st, "m3_generate");
+    check_lengths(st, what);
 }
 
 static m3_engine *make_engine(unsigned kind) {
