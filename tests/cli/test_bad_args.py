@@ -179,14 +179,44 @@ def gen_max_rows_zero():
 
 
 @case
-def gen_both_prompt_and_ids():
-    expect_fail(gen_args(H.GOOD, "--prompt", "hi"), ["exactly one of --prompt or --prompt-ids"],
-                rc=2)
+def gen_neither_prompt_nor_ids():
+    expect_fail(gen_args(H.GOOD, ids=None), ["give a prompt", "--prompt", "--prompt-ids"], rc=2)
+
+
+# several prompts make a batch: each is checked and named by its index
+
+@case
+def gen_batch_second_prompt_empty():
+    expect_fail(gen_args(H.GOOD, "--prompt", ""), ["prompt is empty", "prompt 1"], rc=2)
 
 
 @case
-def gen_neither_prompt_nor_ids():
-    expect_fail(gen_args(H.GOOD, ids=None), ["exactly one of --prompt or --prompt-ids"], rc=2)
+def gen_batch_second_prompt_garbage():
+    expect_fail(gen_args(H.GOOD, "--prompt-ids", "4,x"), ["bad entry 1", "in prompt 1"], rc=2)
+
+
+@case
+def gen_batch_dump_logits():
+    expect_fail(gen_args(H.GOOD, "--prompt", "hi", "--dump-logits",
+                         os.path.join(H.WORK, "x.npy")),
+                ["--dump-logits takes one prompt", "2 were given"], rc=2)
+
+
+@case
+def gen_batch_too_many_prompts():
+    many = []
+    for i in range(257):
+        many += ["--prompt-ids", str(i + 1)]
+    expect_fail(gen_args(H.GOOD, *many, ids=None), ["at most 256 prompts"], rc=2)
+
+
+@case
+def gen_batch_prompt_longer_than_context():
+    d = with_config("gen_batch_prompt_longer_than_context",
+                    _set_text("max_position_embeddings", 100))
+    ids = ",".join(str(i % 500 + 1) for i in range(150))
+    expect_fail(gen_args(d, "--prompt-ids", ids), ["prompt 1 of the batch", "prompt of 150 tokens",
+                                                   "the limit is 100"], rc=1)
 
 
 @case
@@ -510,6 +540,15 @@ def gen_draft_missing_folder():
 def gen_draft_not_a_drafter():
     # a target checkpoint is not a drafter: no DSpark keys in its config
     expect_fail(gen_args(H.GOOD, "--draft", H.GOOD), ["not a DSpark drafter"], rc=1)
+
+
+@case
+def gen_draft_batch_dump_draft_logits():
+    d = synth_out("gen_draft_batch_dump_draft_logits")
+    run_m3(["synth", "--draft-for", H.GOOD, "--out", d, "--layers", "1"])
+    expect_fail(gen_args(H.GOOD, "--prompt", "hi", "--draft", d, "--dump-draft-logits",
+                         os.path.join(H.WORK, "x.npy")),
+                ["--dump-draft-logits takes one prompt"], rc=2)
 
 
 @case

@@ -27,6 +27,10 @@ partly-accepted paths run too. For each:
     (1-15), window and weight format: (a)-(c) again;
 (g) --tp 2 (CPU ranks as threads, the drafter whole on rank 0): the tokens,
     their logits and the draft logits bitwise those of --tp 1;
+(h) a batch (three --prompt-ids, decoded together, two requests a draft
+    step at --max-rows 16), at --tp 1 and 2: each request's tokens those of
+    its prompt alone, with and without --draft, and its draft steps (the
+    "spec" steps naming it) those of its prompt alone;
 (e) clean refusals (exit 1 or 2, a message on stderr naming the problem, no
     traceback or crash report): --draft on a missing folder, with
     --temperature 0.7, a drafter whose hidden_size differs from the
@@ -321,6 +325,48 @@ def check_tp(m3, work, name, target, draft, prompt, n_gen):
     return [] if same else [f"{name}: --tp 2 differs from --tp 1"]
 
 
+def batch_run(m3, model, prompts, n_gen, draft=None, extra=()):
+    """The parsed JSON of one `m3 generate` over several prompts."""
+    cmd = [m3, "generate", "--model", model, "--max-tokens", str(n_gen), "--ignore-eos", "--json",
+           "--threads", "2", "--max-rows", "16", *extra]
+    for p in prompts:
+        cmd += ["--prompt-ids", ",".join(map(str, p))]
+    if draft:
+        cmd += ["--draft", draft]
+    return json.loads(run(cmd).stdout)
+
+
+def check_batch(m3, target, draft, prompts, n_gen):
+    """(h): a batch of prompts against each prompt alone."""
+    alone = [batch_run(m3, target, [p], n_gen, draft) for p in prompts]
+    fails = []
+    for tp in (1, 2):
+        plain = batch_run(m3, target, prompts, n_gen, extra=("--tp", str(tp)))
+        spec = batch_run(m3, target, prompts, n_gen, draft, extra=("--tp", str(tp)))
+        reqs, sreqs = plain.get("requests", []), spec.get("requests", [])
+        steps = spec.get("spec", {}).get("steps", [])
+        if len(reqs) != len(prompts) or len(sreqs) != len(prompts):
+            fails.append(f"batch --tp {tp}: {len(reqs)} and {len(sreqs)} requests in the output, "
+                         f"not {len(prompts)}")
+            continue
+        for r, a in enumerate(alone):
+            if reqs[r]["tokens"] != a["tokens"] or sreqs[r]["tokens"] != a["tokens"]:
+                fails.append(f"batch --tp {tp}: request {r}'s tokens differ from its prompt alone")
+            mine = [{k: v for k, v in st.items() if k != "request"}
+                    for st in steps if st.get("request") == r]
+            theirs = [{k: v for k, v in st.items() if k != "request"} for st in a["spec"]["steps"]]
+            if mine != theirs:
+                fails.append(f"batch --tp {tp}: request {r}'s draft steps differ from its prompt "
+                             f"alone ({len(mine)} against {len(theirs)})")
+        shared = spec["spec"].get("batch_steps", 0) < spec["spec"].get("cycles", 0)
+        if not shared:
+            fails.append(f"batch --tp {tp}: the requests never shared a draft step")
+        print(f"batch of {len(prompts)} at --tp {tp}: {spec['spec'].get('cycles')} cycles in "
+              f"{spec['spec'].get('batch_steps')} steps; tokens and draft steps "
+              f"{'equal' if not fails else 'DIFFER from'} each prompt's alone")
+    return fails
+
+
 def check_random(m3, work, seed):
     """(f): a random target and a random drafter for it."""
     rng = random.Random(seed)
@@ -391,6 +437,10 @@ def main():
 
     # (g) tensor parallel ranks
     failures += check_tp(m3, work, "oracle_tp", target, oracle, prompt, n_gen)
+
+    # (h) a batch: the oracle's prompt (most drafts accepted) and two others
+    others = [[rng.randrange(vocab) for _ in range(n)] for n in (150, 60)]
+    failures += check_batch(m3, target, oracle, [prompt] + others, n_gen)
 
     # (e) refusals
     failures += check_refusals(m3, work, target, draft, prompt)
