@@ -590,11 +590,13 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
 /* The graph bucket of a step of `rows` rows whose logits are those of
  * out_rows (n_out of them), or -1: a decode step (one token per request,
  * each after a prefill: `decode`), padded up to its bucket's width; or,
- * at TP 1, one request extending its sequence by 2..16 rows that wants
- * every row's logits in order, as a graph computes them (the verify step
- * of speculative decoding). Every launch of such a step is sized by its row
- * count and capacities alone (cuda/cuda_internal.h), so one capture
- * serves every replay of the same shape. */
+ * at TP 1, requests extending their sequences by 2..16 rows in all that
+ * want every row's logits in order, as a graph computes them (the verify
+ * step of speculative decoding, one request or a batch's). Every launch of
+ * such a step is sized by its row count and capacities alone and reads
+ * the rows' requests from device memory (cuda/cuda_internal.h), so one
+ * capture serves every replay of the same row count, however the rows
+ * split into requests. */
 static int graph_bucket(const m3_engine *e, const m3_request *reqs, int n_reqs, bool decode,
                         int rows, const int32_t *out_rows, int n_out) {
     if (!e->graphs || rows > M3_GRAPH_MAX_ROWS)
@@ -605,9 +607,11 @@ static int graph_bucket(const m3_engine *e, const m3_request *reqs, int n_reqs, 
             b++;
         return b;
     }
-    if (n_reqs != 1 || rows < 2 || e->tp_size > 1 || e->cache.seqs[reqs[0].seq].len == 0 ||
-        n_out != rows)
+    if (rows < 2 || e->tp_size > 1 || n_out != rows)
         return -1;
+    for (int q = 0; q < n_reqs; q++)
+        if (e->cache.seqs[reqs[q].seq].len == 0) /* a prompt's first chunk */
+            return -1;
     for (int i = 0; i < n_out; i++)
         if (out_rows[i] != i)
             return -1;

@@ -15,9 +15,9 @@
 #include "model/model.h"
 
 #define M3_GRAPH_MAX_ROWS 16
-/* Graph buckets: decode steps of 1, 2, 4, 8, 16 rows (padded up), then one
- * request extending its sequence by 2..16 rows with every row's logits
- * (a speculative verify step), one bucket per row count */
+/* Graph buckets: decode steps of 1, 2, 4, 8, 16 rows (padded up), then
+ * requests extending their sequences by 2..16 rows in all with every row's
+ * logits (a speculative verify step), one bucket per row count */
 #define M3_GRAPH_DECODE_BUCKETS 5
 #define M3_GRAPH_BUCKETS (M3_GRAPH_DECODE_BUCKETS + M3_GRAPH_MAX_ROWS - 1)
 
