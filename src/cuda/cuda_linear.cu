@@ -17,7 +17,7 @@
 
 /* The decode linear on tensor cores. A warp owns one 16-row tile of the
  * weight and one of its K chunks (cuda_ksum.cuh): a CTA is the n_chunks
- * warps of one tile, or (SPLIT) one warp. A warp walks its
+ * warps of one tile, or (OUT == LMMA_PART) one warp. A warp walks its
  * chunk in pieces of 32 columns, each lane loading 8 consecutive columns
  * of rows g and g + 8 (g = lane / 4) and the same 8 columns of x's row g
  * of each 8-row tile, and feeds them to two bf16 m16n8k16 MMAs as their
@@ -42,6 +42,9 @@
  * depend on it. */
 #define LMMA_DEEP(NT) ((NT) == 1 ? 6 : 4)
 #define LMMA_MIN_CTAS(NT, U) ((U) == 3 && (NT) == 1 ? 2 : 1)
+/* Outputs: bf16, fp32, or (a CTA per tile and chunk) the chunk's fp32
+ * partial, which linear_splitk_finish_kernel combines as the same tree. */
+enum { LMMA_BF16, LMMA_F32, LMMA_PART };
 
 template <int NT, bool FP8, int U>
 struct lmma_stage {
@@ -68,40 +71,14 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-/* The weights of one launch: several linears of the same x (a layer's q,
- * k, v and index projections; gate and up) as one grid of tiles, weight i
- * owning tiles [tile_end[i - 1], tile_end[i]). Each output is the bits
- * its linear alone gives: a tile's sums never depend on its neighbours. */
-#define LMMA_GROUP_MAX 6
-struct lmma_set {
-    gemv_weight W[LMMA_GROUP_MAX];
-    int64_t N[LMMA_GROUP_MAX];
-    void *out[LMMA_GROUP_MAX];
-    int64_t tile_end[LMMA_GROUP_MAX];
-    int n;
-};
-
-/* SPLIT: a one-warp CTA per (tile, chunk blockIdx.y); it stores its
- * chunk's fp32 partial in part_g [chunks, rows, N] and counts itself in
- * count[tile]; the tile's last CTA to arrive combines the partials as the
- * tree, writes out and sets the count back to zero (so the next launch,
- * or a graph's replay, finds it zero). Else the CTA's warps are the
- * tile's chunks, combined in shared memory. */
-template <int NT, bool FP8, int U, bool SPLIT, bool OUT_F32>
+template <int NT, bool FP8, int U, int OUT>
 __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
-    linear_mma_kernel(const __grid_constant__ lmma_set set, const uint16_t *__restrict__ x,
-                      int rows, int K, int n_chunks, float *__restrict__ part_g,
-                      int *__restrict__ count) {
-    __shared__ float part[SPLIT ? 1 : LMMA_MAX_NC][NT * 4][32];
+    linear_mma_kernel(gemv_weight W, const uint16_t *__restrict__ x, int rows, int K, int64_t N,
+                      int n_chunks, void *__restrict__ out) {
+    __shared__ float part[OUT == LMMA_PART ? 1 : LMMA_MAX_NC][NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    int wi = 0; /* this CTA's weight */
-    while (wi + 1 < set.n && (int64_t)blockIdx.x >= set.tile_end[wi])
-        wi++;
-    const gemv_weight W = set.W[wi];
-    const int64_t N = set.N[wi];
-    void *const out = set.out[wi];
-    const int64_t n0 = ((int64_t)blockIdx.x - (wi ? set.tile_end[wi - 1] : 0)) * 16;
-    const int chunk = SPLIT ? (int)blockIdx.y : warp;
+    const int64_t n0 = (int64_t)blockIdx.x * 16;
+    const int chunk = OUT == LMMA_PART ? (int)blockIdx.y : warp;
     int k0, k1;
     ksum_bounds(K, n_chunks, chunk, &k0, &k1);
     const int pieces = (k1 - k0 + 31) / 32, stages = (pieces + U - 1) / U;
@@ -177,46 +154,16 @@ __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
         compute(s1, st + 1);
     }
 
-    /* this lane's outputs: rows n0 + g (+ 8), x rows 8 j + 2 q (+ 1) */
-    auto store = [&](int j, int i, float v) {
-        const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
-        const int64_t o = (int64_t)(j * 8 + 2 * q + (i & 1)) * N + n;
-        if (OUT_F32)
-            static_cast<float *>(out)[o] = v;
-        else
-            static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
-    };
-    auto live = [&](int j, int i) {
-        return n0 + g + (i >= 2 ? 8 : 0) < N && j * 8 + 2 * q + (i & 1) < rows;
-    };
-    auto at = [&](int c, int j, int i) { /* element of part_g */
-        return ((int64_t)c * rows + j * 8 + 2 * q + (i & 1)) * N + n0 + g + (i >= 2 ? 8 : 0);
-    };
-    if constexpr (SPLIT) {
+    if constexpr (OUT == LMMA_PART) { /* chunk blockIdx.y's partial [chunks, rows, N] */
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int i = 0; i < 4; i++)
-                if (live(j, i))
-                    part_g[at(chunk, j, i)] = acc[j][i];
-        __threadfence(); /* the partial is visible before the arrival is */
-        __syncwarp();    /* every lane's partial, before lane 0 arrives */
-        int last = 0;
-        if (lane == 0)
-            last = atomicAdd(&count[blockIdx.x], 1) == n_chunks - 1;
-        if (!__shfl_sync(0xffffffffu, last, 0))
-            return;
-        __threadfence(); /* the others' partials, seen after their arrivals */
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                if (live(j, i))
-                    store(j, i, ksum_tree<float>(n_chunks, [&](int c) {
-                              return __ldcg(part_g + at(c, j, i)); /* L2: not a stale L1 */
-                          }));
-        if (lane == 0)
-            count[blockIdx.x] = 0;
+            for (int i = 0; i < 4; i++) {
+                const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
+                const int t = j * 8 + 2 * q + (i & 1);
+                if (n < N && t < rows)
+                    static_cast<float *>(out)[((int64_t)chunk * rows + t) * N + n] = acc[j][i];
+            }
     } else { /* the CTA's chunks combined by warp 0 */
 #pragma unroll
         for (int j = 0; j < NT; j++)
@@ -229,10 +176,19 @@ __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int i = 0; i < 4; i++)
-                if (live(j, i))
-                    store(j, i, ksum_tree<float>(n_chunks,
-                                                 [&](int c) { return part[c][j * 4 + i][lane]; }));
+            for (int i = 0; i < 4; i++) {
+                const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
+                const int t = j * 8 + 2 * q + (i & 1);
+                if (n >= N || t >= rows)
+                    continue;
+                const float v =
+                    ksum_tree<float>(n_chunks, [&](int c) { return part[c][j * 4 + i][lane]; });
+                const int64_t o = (int64_t)t * N + n;
+                if (OUT == LMMA_F32)
+                    static_cast<float *>(out)[o] = v;
+                else
+                    static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
+            }
     }
 }
 
@@ -281,42 +237,38 @@ static int k_splits(const m3_cuda *cu, int64_t n_tiles, int K) {
 /* Launch the tensor-core linear. A CTA per 16-row tile, a warp per chunk
  * (deep stages when that is one or two warps), where the tiles fill the
  * multiprocessors; else (a narrow weight: the index and KV projections,
- * the shared expert's gate/up) a one-warp CTA per tile and chunk, the
- * tile's last CTA combining the chunks as the same tree (no second
- * launch: in a graph that was a dependent node per narrow weight). */
-template <int NT, bool FP8, bool OUT_F32>
-static m3_status launch_mma_out(m3_cuda *cu, const lmma_set &set, const uint16_t *x, int rows,
-                                int K, int n_chunks) {
+ * the shared expert's gate/up) a one-warp CTA per tile and chunk, its fp32
+ * partial combined by the finish kernel as the same tree. */
+template <int NT, bool FP8>
+static m3_status launch_mma(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows, int K,
+                            int64_t N, int n_chunks, bool out_f32, void *out) {
     constexpr int D = LMMA_DEEP(NT);
-    const int64_t tiles = set.tile_end[set.n - 1], N = set.N[0];
-    if (tiles < cu->sm_count && n_chunks > 1) { /* (one weight: m3_cuda_linear_group asks) */
+    const int64_t tiles = (N + 15) / 16;
+    if (tiles < cu->sm_count && n_chunks > 1) {
         float *part = NULL;
-        int *count = NULL;
         M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)n_chunks * rows * N * 4,
                                  (void **)&part));
-        M3_TRY(m3_cuda_workspace_zeroed(cu, M3_CUDA_WS_LINEAR_COUNT, (size_t)tiles * 4,
-                                        (void **)&count));
-        linear_mma_kernel<NT, FP8, D, true, OUT_F32>
-            <<<dim3((unsigned)tiles, (unsigned)n_chunks), 32, 0, cu->stream>>>(
-                set, x, rows, K, n_chunks, part, count);
-    } else if (n_chunks <= 2) {
-        linear_mma_kernel<NT, FP8, D, false, OUT_F32>
-            <<<(unsigned)tiles, 32 * n_chunks, 0, cu->stream>>>(set, x, rows, K, n_chunks,
-                                                                nullptr, nullptr);
-    } else {
-        linear_mma_kernel<NT, FP8, 3, false, OUT_F32>
-            <<<(unsigned)tiles, 32 * n_chunks, 0, cu->stream>>>(set, x, rows, K, n_chunks,
-                                                                nullptr, nullptr);
+        linear_mma_kernel<NT, FP8, D, LMMA_PART>
+            <<<dim3((unsigned)tiles, (unsigned)n_chunks), 32, 0, cu->stream>>>(W, x, rows, K, N,
+                                                                              n_chunks, part);
+        M3_CUDA_LAUNCHED("linear_mma_kernel");
+        return finish_splitk(cu, part, n_chunks, (int64_t)rows * N, true, out_f32, out);
     }
+    dim3 grid((unsigned)tiles), block(32 * n_chunks);
+    if (n_chunks <= 2 && out_f32)
+        linear_mma_kernel<NT, FP8, D, LMMA_F32><<<grid, block, 0, cu->stream>>>(W, x, rows, K, N,
+                                                                               n_chunks, out);
+    else if (n_chunks <= 2)
+        linear_mma_kernel<NT, FP8, D, LMMA_BF16><<<grid, block, 0, cu->stream>>>(
+            W, x, rows, K, N, n_chunks, out);
+    else if (out_f32)
+        linear_mma_kernel<NT, FP8, 3, LMMA_F32><<<grid, block, 0, cu->stream>>>(W, x, rows, K, N,
+                                                                               n_chunks, out);
+    else
+        linear_mma_kernel<NT, FP8, 3, LMMA_BF16><<<grid, block, 0, cu->stream>>>(
+            W, x, rows, K, N, n_chunks, out);
     M3_CUDA_LAUNCHED("linear_mma_kernel");
     return M3_OK;
-}
-
-template <int NT, bool FP8>
-static m3_status launch_mma(m3_cuda *cu, const lmma_set &set, const uint16_t *x, int rows, int K,
-                            int n_chunks, bool out_f32) {
-    return out_f32 ? launch_mma_out<NT, FP8, true>(cu, set, x, rows, K, n_chunks)
-                   : launch_mma_out<NT, FP8, false>(cu, set, x, rows, K, n_chunks);
 }
 
 /* One thread per output: any K, any alignment; the same chunk tree. */
@@ -347,21 +299,14 @@ __global__ void linear_scalar_kernel(gemv_weight W, bool fp8, const uint16_t *x,
 
 /* 1-8 rows: one 8-column MMA tile; 9-16: two. A row's sums are the same
  * in both (see linear_mma_kernel). */
-static m3_status launch_set(m3_cuda *cu, const lmma_set &set, bool fp8, const uint16_t *x,
-                            int rows, int K, int n_chunks, bool out_f32) {
+template <bool FP8>
+static m3_status launch_gemv(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
+                             int K, int64_t N, int n_chunks, bool out_f32, void *out) {
     if (n_chunks < 1 || n_chunks > LMMA_MAX_NC)
         return m3_fail(M3_ERR_INTERNAL, "linear: %d K chunks (1..%d)", n_chunks, LMMA_MAX_NC);
-    if (fp8)
-        return rows <= 8 ? launch_mma<1, true>(cu, set, x, rows, K, n_chunks, out_f32)
-                         : launch_mma<2, true>(cu, set, x, rows, K, n_chunks, out_f32);
-    return rows <= 8 ? launch_mma<1, false>(cu, set, x, rows, K, n_chunks, out_f32)
-                     : launch_mma<2, false>(cu, set, x, rows, K, n_chunks, out_f32);
-}
-
-static gemv_weight gemv_weight_of(const m3_linear *w) {
-    bool fp8 = w->w.dtype == M3_DT_F8_E4M3;
-    return {static_cast<const uint8_t *>(w->w.data), w->w.nb[0],
-            static_cast<const uint8_t *>(w->scale.data), fp8 ? w->scale.nb[0] : 0};
+    if (rows <= 8)
+        return launch_mma<1, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out);
+    return launch_mma<2, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out);
 }
 
 /* A row-parallel weight's chunks when cuBLAS can take them (whole chunks
@@ -455,7 +400,8 @@ static m3_status gemv_dispatch(m3_cuda *cu, int rows, const uint16_t *x, const m
                                bool out_f32, void *out) {
     int64_t N = w->w.ne[0], K = w->w.ne[1];
     bool fp8 = w->w.dtype == M3_DT_F8_E4M3;
-    gemv_weight W = gemv_weight_of(w);
+    gemv_weight W = {static_cast<const uint8_t *>(w->w.data), w->w.nb[0],
+                     static_cast<const uint8_t *>(w->scale.data), fp8 ? w->scale.nb[0] : 0};
     if (!vector_ok(w, x, K)) {
         int64_t total = (int64_t)rows * N;
         unsigned grid = (unsigned)((total + 255) / 256);
@@ -464,13 +410,9 @@ static m3_status gemv_dispatch(m3_cuda *cu, int rows, const uint16_t *x, const m
         M3_CUDA_LAUNCHED("linear_scalar_kernel");
         return M3_OK;
     }
-    lmma_set set = {};
-    set.W[0] = W;
-    set.N[0] = N;
-    set.out[0] = out;
-    set.tile_end[0] = (N + 15) / 16;
-    set.n = 1;
-    return launch_set(cu, set, fp8, x, rows, (int)K, m3_cuda_k_chunks(w), out_f32);
+    if (fp8)
+        return launch_gemv<true>(cu, W, x, rows, (int)K, N, m3_cuda_k_chunks(w), out_f32, out);
+    return launch_gemv<false>(cu, W, x, rows, (int)K, N, m3_cuda_k_chunks(w), out_f32, out);
 }
 
 extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
@@ -500,37 +442,6 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
                              static_cast<char *>(out) + (size_t)r0 * N * out_size));
     }
     return M3_OK;
-}
-
-/* Several linears of the same x in one launch where they are alike
- * (dtype, K and its chunks, the vector path, 1-16 rows) and together fill
- * the multiprocessors; else one linear each. The same bits either way. */
-extern "C" m3_status m3_cuda_linear_group(m3_backend *be, int rows, const uint16_t *x, int n,
-                                          const m3_linear *const *w, m3_dtype out_dtype,
-                                          void *const *out) {
-    m3_cuda *cu = m3_cuda_of(be);
-    bool one = rows >= 1 && rows <= GEMV_MAX_T && n >= 2 && n <= LMMA_GROUP_MAX;
-    lmma_set set = {};
-    int64_t tiles = 0, K = one ? w[0]->w.ne[1] : 0;
-    for (int i = 0; one && i < n; i++) {
-        const m3_linear *l = w[i];
-        one = l->w.dtype == w[0]->w.dtype &&
-              (l->w.dtype == M3_DT_BF16 || l->w.dtype == M3_DT_F8_E4M3) && l->w.ne[1] == K &&
-              m3_cuda_k_chunks(l) == m3_cuda_k_chunks(w[0]) && vector_ok(l, x, K);
-        set.W[i] = gemv_weight_of(l);
-        set.N[i] = l->w.ne[0];
-        set.out[i] = out[i];
-        tiles += (l->w.ne[0] + 15) / 16;
-        set.tile_end[i] = tiles;
-    }
-    set.n = n;
-    if (!one || tiles < cu->sm_count || tiles > INT32_MAX) {
-        for (int i = 0; i < n; i++)
-            M3_TRY(m3_cuda_linear(be, rows, x, w[i], out_dtype, out[i]));
-        return M3_OK;
-    }
-    return launch_set(cu, set, w[0]->w.dtype == M3_DT_F8_E4M3, x, rows, (int)K,
-                      m3_cuda_k_chunks(w[0]), out_dtype == M3_DT_F32);
 }
 
 /* ------------------------------------------------------------ fp32 weights */
