@@ -106,6 +106,12 @@ m3_status m3_gen_check(const m3_engine *eng, int n_prompt, const m3_gen_opts *op
  * on_request_token (on_token only for one prompt). */
 m3_status m3_gen_check_batch(const m3_engine *eng, int n, const int32_t *const *prompts,
                              const int *n_prompts, const m3_gen_opts *opts);
+/* A batch's start: n results (n_prompt set, room for max_new_tokens) and
+ * a fresh sequence each in seqs [n]; on failure nothing is left. Its end:
+ * the sequences freed, and after a failure (st) the results' tokens. */
+m3_status m3_gen_begin(m3_engine *eng, int n, const int *n_prompts, const m3_gen_opts *opts,
+                       m3_gen_result *res, m3_seq *seqs);
+void m3_gen_end(m3_engine *eng, int n, const m3_seq *seqs, m3_gen_result *res, m3_status st);
 /* Give token (chosen from row_logits [vocab]) to request `request`'s
  * result and the callbacks; false when that request's generation ends
  * here (a callback said stop, end-of-sequence, or max_new_tokens). */

@@ -185,12 +185,34 @@ static m3_status run(batch *b, const int32_t *const *prompts, const int *n_promp
     return M3_OK;
 }
 
-/* Free every result's tokens (after a failure). */
-static void drop_results(int n, m3_gen_result *res) {
+m3_status m3_gen_begin(m3_engine *e, int n, const int *n_prompts, const m3_gen_opts *o,
+                       m3_gen_result *res, m3_seq *seqs) {
+    m3_status st = M3_OK;
+    int made = 0;
+    for (int i = 0; !st && i < n; i++) {
+        res[i].n_prompt = n_prompts[i];
+        res[i].tokens = m3_malloc((size_t)(o->max_new_tokens + 1) * sizeof *res[i].tokens,
+                                  "tokens");
+        st = res[i].tokens ? m3_seq_create(e, &seqs[i]) : M3_ERR_NO_MEMORY;
+        made += !st;
+    }
+    if (st) {
+        for (int i = made; i < n; i++)
+            seqs[i] = -1;
+        m3_gen_end(e, n, seqs, res, st);
+    }
+    return st;
+}
+
+void m3_gen_end(m3_engine *e, int n, const m3_seq *seqs, m3_gen_result *res, m3_status st) {
     for (int i = 0; i < n; i++) {
-        free(res[i].tokens);
-        res[i].tokens = NULL;
-        res[i].n_tokens = 0;
+        if (seqs[i] >= 0)
+            m3_seq_free(e, seqs[i]);
+        if (st) {
+            free(res[i].tokens);
+            res[i].tokens = NULL;
+            res[i].n_tokens = 0;
+        }
     }
 }
 
@@ -219,23 +241,15 @@ m3_status m3_generate_batch(m3_engine *e, int n, const int32_t *const *prompts,
                     (read && !b.step_logits))
                        ? M3_ERR_NO_MEMORY
                        : M3_OK;
-    int made = 0;
-    for (int i = 0; !st && i < n; i++) {
-        res[i].n_prompt = n_prompts[i];
-        res[i].tokens = m3_malloc((size_t)(opts->max_new_tokens + 1) * sizeof *res[i].tokens,
-                                  "tokens");
-        st = res[i].tokens ? m3_seq_create(e, &b.seqs[i]) : M3_ERR_NO_MEMORY;
-        made += !st;
-    }
     if (!st)
+        st = m3_gen_begin(e, n, n_prompts, opts, res, b.seqs);
+    if (!st) {
         st = run(&b, prompts, n_prompts);
-    for (int i = 0; i < made; i++)
-        m3_seq_free(e, b.seqs[i]);
+        m3_gen_end(e, n, b.seqs, res, st);
+    }
     void *bufs[] = {b.seqs, b.tok, b.live, b.logits, b.rq, b.who, b.next, b.step_logits};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         free(bufs[i]);
-    if (st)
-        drop_results(n, res);
     return st;
 }
 

@@ -286,30 +286,21 @@ m3_status m3_speculate(m3_engine *e, const m3_proposer *pr, int n, const int32_t
                                    "draft logits");
     m3_status st = (!l.rq || !l.logits || (keep_logits && !l.draft_logits)) ? M3_ERR_NO_MEMORY
                                                                             : M3_OK;
-    int made = 0;
-    for (int i = 0; !st && i < n; i++) {
-        res[i].n_prompt = n_prompts[i];
-        res[i].tokens = m3_malloc((size_t)(o->max_new_tokens + 1) * sizeof *res[i].tokens,
-                                  "tokens");
-        l.rq[i] = (req){-1, 0, 0, false};
-        st = res[i].tokens ? m3_seq_create(e, &l.rq[i].seq) : M3_ERR_NO_MEMORY;
-        made += !st;
-    }
+    m3_seq *seqs = st ? NULL : m3_malloc((size_t)n * sizeof *seqs, "sequences");
     if (!st)
+        st = seqs ? m3_gen_begin(e, n, n_prompts, o, res, seqs) : M3_ERR_NO_MEMORY;
+    if (!st) {
+        for (int i = 0; i < n; i++)
+            l.rq[i] = (req){seqs[i], 0, 0, false};
         st = run(&l, prompts, n_prompts);
-    for (int i = 0; i < made; i++)
-        m3_seq_free(e, l.rq[i].seq);
+        m3_gen_end(e, n, seqs, res, st);
+    }
+    free(seqs);
     free(l.rq);
     free(l.logits);
     free(l.draft_logits);
-    if (st) {
-        for (int i = 0; i < n; i++) {
-            free(res[i].tokens);
-            res[i].tokens = NULL;
-            res[i].n_tokens = 0;
-        }
+    if (st)
         m3_spec_stats_free(stats);
-    }
     return st;
 }
 
