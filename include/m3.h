@@ -355,10 +355,10 @@ void m3_spec_stats_free(m3_spec_stats *s);
 
 /* m3_generate with the drafter proposing and the target verifying (greedy
  * only: a temperature above 0 is refused). The engine's max_rows must hold
- * B + 1 rows; on GPUs it must be TP 1 for now (the CPU runs any TP, the
- * drafter whole on rank 0). Its steps then run stock; on CUDA with graphs
- * its verify steps and the drafter's steps replay CUDA graphs. stats may
- * be NULL. */
+ * B + 1 rows. At TP > 1 the drafter runs whole on rank 0 (on GPUs with a
+ * copy of the model's whole embedding and lm_head on rank 0's GPU). Its
+ * steps then run stock; on CUDA with graphs the drafter's steps replay
+ * CUDA graphs, and at TP 1 its verify steps too. stats may be NULL. */
 m3_status m3_generate_speculative(m3_engine *eng, m3_drafter *d, const int32_t *prompt,
                                   int n_prompt, const m3_gen_opts *opts, m3_gen_result *out,
                                   m3_spec_stats *stats);

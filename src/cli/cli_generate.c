@@ -67,7 +67,7 @@ static void gen_usage(FILE *f) {
             "                     (where the fused kernels are faster), else stock\n"
             "  --draft DIR        speculative decoding with the DSpark drafter in DIR: the\n"
             "                     target verifies its drafts, the tokens are the same\n"
-            "                     (greedy only; on cuda --tp 1 for now); --json adds \"spec\"\n"
+            "                     (greedy only); --json adds \"spec\"\n"
             "  --dump-draft-logits F  with --draft: each draft step's rows' logits,\n"
             "                     float32 [steps x block, vocab]\n");
 }

@@ -874,6 +874,8 @@ m3_status m3_engine_set_taps(m3_engine *e, const int *layers, int n) {
         if (layers[i] < 0 || layers[i] >= e->cfg.num_layers)
             return m3_fail(M3_ERR_INVALID_ARG, "layer tap %d: the model has %d layers", layers[i],
                            e->cfg.num_layers);
+    if (e->be) /* a GPU rank's buffers and graphs are on its own GPU */
+        M3_TRY(m3_engine_bind_thread(e));
     /* a graph captured with or without taps, or writing the old buffer,
      * would replay the wrong step */
     if (e->be)

@@ -45,6 +45,7 @@ m3_status m3_drafter_extend(m3_drafter *d, int rows, const uint8_t *keep) {
     m3_engine *e = r->eng;
     if (!e)
         return m3_fail(M3_ERR_INVALID_ARG, "the drafter is not bound to an engine");
+    M3_TRY(m3_engine_bind_thread(e)); /* TP > 1 on GPUs: rank 0's */
     const m3_step *st = &e->step;
     if (rows < 0 || rows > st->rows || rows > r->rows)
         return m3_fail(M3_ERR_INVALID_ARG, "drafter context: %d rows of a %d-row step", rows,
@@ -109,7 +110,7 @@ static m3_status draft_rows(m3_drafter *d, int n) {
     float eps = a->rms_norm_eps;
     m3_rope rope = {a->rotary_dim, a->rope_theta};
     m3_swiglu act = {a->swiglu_alpha, a->swiglu_limit};
-    M3_TRY(op->embed(be, T, r->tokens, &r->target->embed, 0, r->residual));
+    M3_TRY(op->embed(be, T, r->tokens, &r->embed, 0, r->residual));
     for (int i = 0; i < a->num_layers; i++) {
         const m3_draft_layer *L = &d->bw.layers[i];
         M3_TRY(op->add_rmsnorm(be, T, H, i ? r->hidden : NULL, r->residual, &L->input_norm, eps,
@@ -130,7 +131,7 @@ static m3_status draft_rows(m3_drafter *d, int n) {
         M3_TRY(op->linear(be, T, r->act, &L->down, M3_DT_BF16, r->hidden));
     }
     M3_TRY(op->add_rmsnorm(be, T, H, r->hidden, r->residual, &d->bw.final_norm, eps, r->final));
-    m3_linear head = {r->target->lm_head, {0}, 0, 0};
+    m3_linear head = {r->lm_head, {0}, 0, 0};
     return op->linear(be, T, r->final, &head, M3_DT_F32, r->logits);
 }
 
@@ -213,6 +214,7 @@ m3_status m3_drafter_propose(m3_drafter *d, int n, const m3_seq *seqs, const int
     if (n < 1 || n > r->max_reqs || !seqs || !p || !anchors || !drafts)
         return m3_fail(M3_ERR_INVALID_ARG, "a draft step of %d requests: 1 to %d, with their "
                        "sequences, positions, anchors and a drafts array", n, r->max_reqs);
+    M3_TRY(m3_engine_bind_thread(e));
     int B = d->cfg.block, V = d->cfg.vocab_size, G = r->max_reqs;
     int32_t tokens[M3_MAX_DRAFT_REQS * M3_MAX_DRAFT_BLOCK];
     int64_t positions[M3_MAX_DRAFT_REQS * M3_MAX_DRAFT_BLOCK];

@@ -280,6 +280,26 @@ static m3_status place_weights(m3_drafter *d, m3_backend *be) {
     return M3_OK;
 }
 
+/* The target's embedding and lm_head where the drafter runs: the
+ * engine's own at TP 1; at TP > 1 the model's whole ones, copied into rank
+ * 0's memory where that is not the host's (once when they are tied). */
+static m3_status place_target(m3_drafter *d, const m3_engine *e, m3_engine *r0) {
+    m3_draft_run *r = &d->run;
+    if (!e->ranks[0]) {
+        r->embed = r0->w.embed;
+        r->lm_head = r0->w.lm_head;
+        return M3_OK;
+    }
+    const m3_weights *w = &e->model->w;
+    M3_TRY(place_tensor(d, r0->be, &w->embed, &r->embed));
+    if (w->lm_head.data == w->embed.data) {
+        r->lm_head = w->lm_head;
+        r->lm_head.data = r->embed.data;
+        return M3_OK;
+    }
+    return place_tensor(d, r0->be, &w->lm_head, &r->lm_head);
+}
+
 /* Taps on every rank of engine e (n = 0: off): each rank runs every layer
  * stock while they are on, so their in-layer exchanges stay in step; the
  * drafter reads rank 0's (every rank holds the same hidden states). */
@@ -301,12 +321,8 @@ m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
     if (d->run.front)
         return m3_fail(M3_ERR_INVALID_ARG, "the drafter is bound to another engine");
     /* at TP > 1 the drafter runs whole on rank 0's backend, with the
-     * model's own embedding and lm_head (the ranks hold vocabulary slices),
-     * which only a backend reading host memory has at hand */
+     * model's own embedding and lm_head (the ranks hold vocabulary slices) */
     m3_engine *r0 = e->ranks[0] ? e->ranks[0] : e;
-    if (e->ranks[0] && !r0->be->ops->host_memory)
-        return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) at TP %d runs on the "
-                       "CPU only so far, not on %s", e->tp_size, r0->be->ops->name);
     if (!r0->be->ops->draft_attention || !r0->be->ops->draft_argmax)
         return m3_fail(M3_ERR_UNSUPPORTED, "speculative decoding (--draft) needs the drafter's "
                        "attention and Markov step ops, which the %s backend does not have",
@@ -323,8 +339,11 @@ m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
     d->run.max_reqs = G < M3_MAX_DRAFT_REQS ? G : M3_MAX_DRAFT_REQS;
     d->run.n_pages = r0->cache.n_pages;
     d->run.max_blocks = r0->cache.max_blocks;
-    d->run.target = e->ranks[0] ? &e->model->w : &r0->w;
-    m3_status st = place_weights(d, r0->be);
+    m3_status st = m3_engine_bind_thread(r0);
+    if (!st)
+        st = place_target(d, e, r0);
+    if (!st)
+        st = place_weights(d, r0->be);
     if (!st)
         st = alloc_run(d, r0->be);
     if (!st)
@@ -341,6 +360,7 @@ void m3_drafter_detach(m3_drafter *d) {
     if (!r->eng)
         return;
     m3_backend *be = r->eng->be;
+    (void)m3_engine_bind_thread(r->eng); /* its buffers are on rank 0's GPU */
     for (int g = 0; g <= M3_MAX_DRAFT_REQS; g++)
         if (r->graph[g]) /* (they hold the buffers below) */
             be->ops->graph_free(be, r->graph[g]);

@@ -47,7 +47,10 @@ typedef struct m3_draft_run {
     m3_engine *front;                /* the engine bound (NULL: not bound) */
     m3_engine *eng;                  /* the one whose backend, cache and steps the
                                       * drafter uses: front, or its rank 0 at TP > 1 */
-    const m3_weights *target;        /* the target's embedding and lm_head, whole */
+    m3_tensor embed, lm_head;        /* the target's, whole, where the drafter runs:
+                                      * the engine's at TP 1, the model's at TP > 1
+                                      * (copied to rank 0's GPU: the ranks hold
+                                      * vocabulary slices) */
     int rows;                        /* R */
     int max_reqs;                    /* G: min(8, the engine's max_seqs, R / (B + 1)) */
     int64_t n_pages;                 /* the engine's page pool */

@@ -38,6 +38,11 @@
  *       tree, src/cuda/cuda_ksum.cuh; else a WARN naming the width).
  *       In --model mode also mono against mono on one GPU (a WARN when
  *       they differ: the fused kernels do not cut their sums so yet).
+ *   (i) speculative decoding at TP W (a random 2-layer DSpark drafter run
+ *       whole on rank 0, with the model's whole embedding and lm_head on
+ *       GPU 0): its tokens against TP W's plain greedy tokens (as (c)),
+ *       and its draft logits against the same run on one GPU while their
+ *       steps agree (position and anchor), relative L2 within TOL.
  *
  * M3_TEST_PRESET=tiny|small|small-kv4 runs one preset; M3_TEST_SEED varies inputs.
  * `test_cuda_tp --model DIR [W]` checks a real-width checkpoint against
@@ -351,6 +356,66 @@ static void greedy(ctx *c) {
         gpu_trace_free(&t[k]);
 }
 
+/* ------------------------------------------------------------ (i) */
+
+/* A speculative run of GEN tokens on e: the tokens (with their logits) in
+ * t, the draft steps in s (draft logits kept). */
+static m3_status spec_run(ctx *c, m3_engine *e, m3_drafter *d, gpu_trace *t, m3_spec_stats *s) {
+    m3_gen_opts go = m3_gen_defaults();
+    go.max_new_tokens = GEN;
+    go.stop_at_eos = false;
+    go.on_token = gpu_trace_token;
+    go.user = t;
+    m3_gen_result res;
+    *s = (m3_spec_stats){.keep_steps = true, .keep_draft_logits = true};
+    m3_status st = m3_generate_speculative(e, d, c->prompt, 300, &go, &res, s);
+    free(res.tokens);
+    return st;
+}
+
+static void speculative(ctx *c) {
+    const char *test = "(i) speculative decoding at TP W";
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/draft", c->dir);
+    m3_synth_draft_opts dopt = {2, 7, 0, false};
+    m3_synth_opts so = {11, false, 0};
+    m3_drafter *d = NULL;
+    if (!ok(c, test, m3_synth_drafter(&c->cfg, dir, &dopt, &so), "synthesizing the drafter") ||
+        !ok(c, test, m3_drafter_load(dir, c->model, NULL, &d), "loading the drafter"))
+        return;
+    gpu_trace plain = {0}, tp = {0}, one = {0};
+    m3_spec_stats s_tp = {0}, s_one = {0};
+    bool all = gpu_trace_init(&plain, GEN, c->V) && gpu_trace_init(&tp, GEN, c->V) &&
+               gpu_trace_init(&one, GEN, c->V);
+    all = all && ok(c, test, gpu_generate(c->gs, c->prompt, 300, &plain), "TP W plain") &&
+          ok(c, test, spec_run(c, c->gs, d, &tp, &s_tp), "TP W --draft") &&
+          ok(c, test, spec_run(c, c->g1, d, &one, &s_one), "TP 1 --draft");
+    if (all) {
+        char name[96];
+        snprintf(name, sizeof name, "(i) TP %d --draft == TP %d plain, %d tokens", c->world,
+                 c->world, GEN);
+        tokens_verdict(c, name, &tp, &plain);
+        /* the draft steps both runs share: the same context and anchor */
+        int shared = 0;
+        while (shared < s_tp.n_steps && shared < s_one.n_steps &&
+               s_tp.steps[shared].pos == s_one.steps[shared].pos &&
+               s_tp.steps[shared].anchor == s_one.steps[shared].anchor)
+            shared++;
+        size_t n = (size_t)shared * 7 * c->V;
+        gpu_cmp cmp = gpu_compare_f32(s_tp.draft_logits, s_one.draft_logits, (int64_t)n);
+        bool pass = shared > 0 && !cmp.bad_special && cmp.rel_l2 <= TOL;
+        record(c, "(i) draft logits TP W vs TP 1", pass ? "PASS" : "FAIL",
+               "%d of %d steps shared, relL2 %.2e, %lld values differ", shared, s_tp.n_steps,
+               cmp.rel_l2, (long long)cmp.mismatch);
+    }
+    m3_spec_stats_free(&s_tp);
+    m3_spec_stats_free(&s_one);
+    gpu_trace_free(&plain);
+    gpu_trace_free(&tp);
+    gpu_trace_free(&one);
+    m3_drafter_free(d);
+}
+
 /* ------------------------------------------------------------ (f) */
 
 /* (f): mono engine e ran mono decode steps (else the refusal says why). */
@@ -576,6 +641,7 @@ static void run_preset(const char *preset, int gpus, uint64_t *rng) {
         greedy(c);
         ran_mono(c, c->gm);
         indexer_cp(c);
+        speculative(c);
         rank_failure(c);
         fault_case(c);
     }
