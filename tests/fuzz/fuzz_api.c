@@ -5,8 +5,9 @@
  * (ids out of the vocabulary, a sequence twice, past the context or the
  * cache), decode steps that sample with any sampler (negative, NaN or
  * infinite temperature, top-k and top-p out of range), m3_generate and
- * m3_generate_batch (any prompt lengths, token count, sampler and early
- * stop; batches beyond the free sequences or pages), and m3_sample on
+ * m3_generate_batch, plain and speculative with a DSpark drafter (any
+ * prompt lengths, token count, sampler and early stop; batches beyond the
+ * free sequences or pages), and m3_sample on
  * logits with NaN and infinities. The engine is one of: stock, auto, mono
  * at TP 1 or auto at TP 2 (CPU). Properties (include/m3.h): a failing call
  * says why; on failure no sequence changes (every live sequence keeps its
@@ -39,16 +40,21 @@ static const char kConfig[] =
 enum { kVocab = 96, kMaxSeqs = 3, kSlots = 6 };
 
 static m3_model *g_model;
+static m3_drafter *g_drafter; /* 1 layer, block 3, a 16-key window */
 
 static void setup(void) {
     if (g_model)
         return;
-    char dir[700];
+    char dir[700], draft[720];
     snprintf(dir, sizeof dir, "%s/model", fuzz_dir());
+    snprintf(draft, sizeof draft, "%s/draft", dir);
     m3_config cfg;
     m3_synth_opts so = {5, false, 0};
+    m3_synth_draft_opts dopt = {1, 3, 16, false};
     if (m3_config_parse(kConfig, sizeof kConfig - 1, &cfg) != M3_OK ||
-        m3_synth(&cfg, dir, &so) != M3_OK || m3_model_load(dir, NULL, &g_model) != M3_OK) {
+        m3_synth(&cfg, dir, &so) != M3_OK || m3_model_load(dir, NULL, &g_model) != M3_OK ||
+        m3_synth_drafter(&cfg, draft, &dopt, &so) != M3_OK ||
+        m3_drafter_load(draft, g_model, NULL, &g_drafter) != M3_OK) {
         fprintf(stderr, "fuzz_api setup: %s\n", m3_last_error());
         exit(2);
     }
@@ -209,9 +215,26 @@ static void op_generate(fuzz_bytes *s, state *st) {
         o.user = &left;
     }
     m3_gen_result res[kBatch];
-    const char *what = n ? "m3_generate_batch" : "m3_generate";
-    m3_status rc = n ? m3_generate_batch(st->eng, n, prompts, n_prompt, &o, res)
-                     : m3_generate(st->eng, prompts[0], n_prompt[0], &o, &res[0]);
+    /* speculative at times (greedy only: other samplers are refused) */
+    bool spec = fuzz_take(s) % 3 == 0;
+    const char *what = spec ? (n ? "m3_generate_speculative_batch" : "m3_generate_speculative")
+                            : (n ? "m3_generate_batch" : "m3_generate");
+    m3_spec_stats stats = {.keep_steps = fuzz_take(s) % 2 == 0};
+    m3_status rc =
+        spec ? (n ? m3_generate_speculative_batch(st->eng, g_drafter, n, prompts, n_prompt, &o,
+                                                  res, &stats)
+                  : m3_generate_speculative(st->eng, g_drafter, prompts[0], n_prompt[0], &o,
+                                            &res[0], &stats))
+             : (n ? m3_generate_batch(st->eng, n, prompts, n_prompt, &o, res)
+                  : m3_generate(st->eng, prompts[0], n_prompt[0], &o, &res[0]));
+    if (rc != M3_OK && (stats.steps || stats.n_steps))
+        fuzz_fail("a failed %s left %d draft steps", what, stats.n_steps);
+    for (int i = 0; i < stats.n_steps; i++)
+        if (stats.steps[i].request < 0 || stats.steps[i].request >= (n ? n : 1) ||
+            stats.steps[i].accepted > stats.steps[i].verified)
+            fuzz_fail("%s: draft step %d of request %d accepted %d of %d", what, i,
+                      stats.steps[i].request, stats.steps[i].accepted, stats.steps[i].verified);
+    m3_spec_stats_free(&stats);
     fuzz_check_refusal(rc, what);
     for (int r = 0; r < (n ? n : 1); r++) {
         if (rc == M3_OK)
