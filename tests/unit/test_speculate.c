@@ -18,7 +18,8 @@
  * the real drafter (m3 synth --draft-for's weights): the same tokens as
  * plain greedy, with and without a key window, at TP 1 and TP 2 (bitwise
  * the same draft logits), a batch's draft steps bitwise those of each
- * prompt alone, and its refusals (temperature, a too-small max_rows, a
+ * prompt alone, its context written only at the rows the target kept, and
+ * its refusals (temperature, a too-small max_rows, a
  * mismatched target, a callback without the request, too many prompts).
  */
 #include <stdint.h>
@@ -27,6 +28,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cache/cache.h"
 #include "check.h"
 #include "core/status.h"
 #include "spec/drafter.h"
@@ -509,6 +511,63 @@ static void drafter_case(m3_model *m, const plain_run *plain, int64_t window) {
     m3_drafter_free(dr);
 }
 
+/* The context takes the rows the target kept and writes nothing at the
+ * others' slots (after a cut they may be another sequence's pages): the
+ * drafter's cache poisoned, one 10-row step, extend with a keep mask; then
+ * without one. */
+static void keep_mask_case(m3_model *m) {
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/draft_keep", g_tmp);
+    m3_synth_draft_opts dopt = {1, 7, 0, false};
+    m3_synth_opts so = {4, false, 0};
+    m3_drafter *dr = NULL;
+    m3_model_opts mo = {false};
+    CHECK_OK(m3_synth_drafter(m3_model_config(m), dir, &dopt, &so));
+    CHECK_OK(m3_drafter_load(dir, m, &mo, &dr));
+    m3_engine *e = make_engine(m, 64, 2);
+    if (!dr || !e || m3_drafter_attach(dr, e) != M3_OK) {
+        CHECK(false);
+        m3_engine_free(e);
+        m3_drafter_free(dr);
+        return;
+    }
+    const m3_config *a = &dr->cfg.attn;
+    int Nkv = a->num_kv_heads, D = a->head_dim;
+    size_t n = (size_t)dr->run.n_pages * M3_PAGE_TOKENS * Nkv * D;
+    const uint16_t poison = 0x7fc1;
+    for (int pass = 0; pass < 2; pass++) {
+        for (size_t i = 0; i < n; i++)
+            dr->run.k_cache[0][i] = dr->run.v_cache[0][i] = poison;
+        m3_seq seq;
+        CHECK_OK(m3_seq_create(e, &seq));
+        int32_t tokens[10] = {5, 9, 1, 33, 7, 2, 8, 40, 3, 11};
+        m3_request rq = {seq, tokens, 10};
+        float *logits = malloc((size_t)m3_model_config(m)->vocab_size * sizeof *logits);
+        CHECK_OK(m3_engine_step(e, &rq, 1, logits, NULL));
+        static const uint8_t keep[10] = {1, 0, 1, 1, 0, 0, 1, 0, 0, 1};
+        CHECK_OK(m3_drafter_extend(dr, 10, pass ? NULL : keep));
+        for (int t = 0; t < 10; t++) {
+            int64_t slot = e->step.host.slots[t];
+            size_t at = (size_t)(slot / M3_PAGE_TOKENS) * M3_PAGE_TOKENS * Nkv * D +
+                        (size_t)(slot % M3_PAGE_TOKENS) * D; /* head 0 of [page, head, 128, D] */
+            bool written = false;
+            for (int i = 0; i < D; i++)
+                written |= dr->run.k_cache[0][at + i] != poison ||
+                           dr->run.v_cache[0][at + i] != poison;
+            bool want = pass || keep[t];
+            if (written != want)
+                fprintf(stderr, "keep mask, pass %d: row %d %s\n", pass, t,
+                        written ? "written, though dropped" : "not written, though kept");
+            CHECK(written == want);
+        }
+        free(logits);
+        CHECK_OK(m3_seq_free(e, seq));
+    }
+    m3_drafter_detach(dr);
+    m3_engine_free(e);
+    m3_drafter_free(dr);
+}
+
 /* A drafter made for another target is refused with the field named. */
 static void mismatch_case(const m3_model *m, m3_model *other) {
     char dir[600];
@@ -655,6 +714,7 @@ int main(void) {
     stop_cases(m, plain);
     drafter_case(m, plain, 0);
     drafter_case(m, plain, 8);
+    keep_mask_case(m);
     mismatch_case(m, other);
 
     for (int r = 0; r < NREQ; r++)
