@@ -83,12 +83,11 @@ class Weights:
         self.layers = []
         for i in range(c.n_layers):
             L, A, M = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-            self.layers.append({
-                "in": dw(L + "input_layernorm.weight"), "post": dw(L + "post_attention_layernorm.weight"),
-                "q": dw(A + "q_proj.weight"), "k": dw(A + "k_proj.weight"), "v": dw(A + "v_proj.weight"),
-                "o": dw(A + "o_proj.weight"), "qn": dw(A + "q_norm.weight"), "kn": dw(A + "k_norm.weight"),
-                "g": dw(M + "gate_proj.weight"), "u": dw(M + "up_proj.weight"), "d": dw(M + "down_proj.weight"),
-            })
+            names = {"in": L + "input_layernorm", "post": L + "post_attention_layernorm",
+                     "q": A + "q_proj", "k": A + "k_proj", "v": A + "v_proj", "o": A + "o_proj",
+                     "qn": A + "q_norm", "kn": A + "k_norm", "g": M + "gate_proj",
+                     "u": M + "up_proj", "d": M + "down_proj"}
+            self.layers.append({key: dw(name + ".weight") for key, name in names.items()})
         self.w1 = dw("markov_head.markov_w1.weight") if c.rank else None
         self.w2 = dw("markov_head.markov_w2.weight") if c.rank else None
 
@@ -168,7 +167,8 @@ class DraftStep:
         if c.window:  # row j sees context q' >= p + j - W + 1, and the whole block
             cpos = torch.arange(context)[None, :]
             rpos = (context + torch.arange(self.B))[:, None]
-            ok = torch.cat([cpos >= rpos - c.window + 1, torch.ones(self.B, self.B, dtype=torch.bool)], 1)
+            block = torch.ones(self.B, self.B, dtype=torch.bool)
+            ok = torch.cat([cpos >= rpos - c.window + 1, block], 1)
             self.mask = ok.to(device)
         anchors = torch.randint(0, c.vocab, (reqs,), generator=g)
         tokens = torch.full((reqs, self.B), c.mask_token, dtype=torch.int64)

@@ -386,8 +386,9 @@ static bool batch_spec(m3_engine *e, m3_drafter *d, const int32_t *const *prompt
  * requests a cycle (max_rows 16: a draft step of 14 rows, a verify step of
  * 16 whose graph bucket also serves one request's 16 rows), then the
  * third: on the GPU with graphs (a draft step graph per request count, a
- * verify graph per row count) bit for bit the same run as without; each request's first draft step (the same context and
- * anchor on both devices when their first tokens agree) against the CPU
+ * verify graph per row count) bit for bit the same run as without; each
+ * request's first draft step (the same context and anchor on both devices
+ * when their first tokens agree) against the CPU
  * batch within bf16 noise; and each request's tokens against its plain
  * greedy run alone on the GPU (equal unless a near tie flips where the
  * stock path's rows depend on the batch: reported, not failed). */
