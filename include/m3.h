@@ -297,7 +297,8 @@ m3_status m3_generate(m3_engine *eng, const int32_t *prompt, int n_prompt,
 
 /* n prompts at once (1..max_seqs; their pages must fit the engine's free
  * cache): each prefilled in its own sequence, then decoded together, one
- * token per live request a step (up to max_rows requests a step). out [n]:
+ * token per live request a step (up to max_rows, and 16, requests a step:
+ * more take several steps a round). out [n]:
  * out[i] is prompt i's, with its own prefill time and the batch's decode
  * time. Greedy tokens are each prompt's m3_generate tokens where the
  * backend's rows do not depend on the batch (the CPU's); sampled ones are

@@ -1,7 +1,8 @@
 /*
  * m3_generate and m3_generate_batch: prefill each prompt into a fresh
  * sequence in chunks of at most max_rows rows, then decode one token per
- * request and step, the live requests together (up to max_rows a step),
+ * request and step, the live requests together (up to max_rows, and 16, a
+ * step),
  * until each reaches max_new_tokens or an end-of-sequence token. One
  * prompt is a batch of one. Timing covers prefill (each request's own)
  * and decode (the batch's) separately.
@@ -133,8 +134,9 @@ static m3_status prefill(batch *b, int i, const int32_t *prompt, int n_prompt) {
 static m3_status decode_group(batch *b, int first, int64_t step, int *after) {
     m3_engine *e = b->e;
     size_t V = (size_t)e->cfg.vocab_size;
-    int k = 0, i = first;
-    for (; i < b->n && k < e->opts.max_rows; i++)
+    int k = 0, i = first, most = b->n < e->opts.max_rows ? b->n : e->opts.max_rows;
+    most = most < M3_GRAPH_MAX_ROWS ? most : M3_GRAPH_MAX_ROWS;
+    for (; i < b->n && k < most; i++)
         if (b->live[i]) {
             b->who[k] = i;
             b->rq[k++] = (m3_request){b->seqs[i], &b->tok[i], 1};
@@ -170,14 +172,16 @@ static m3_status run(batch *b, const int32_t *const *prompts, const int *n_promp
     for (int i = 0; i < b->n; i++)
         b->live[i] = b->o->max_new_tokens > 0 &&
                      m3_gen_emit(e, b->o, i, &b->res[i], b->tok[i], b->logits + i * V);
-    for (int64_t step = 0;; step++) {
+    /* each decode step its own index: the device's sampler keys its draws
+     * by (seed, step, row), so two groups of one round must not share one */
+    for (int64_t step = 0;;) {
         int first = 0, any = 0;
         for (int i = 0; i < b->n; i++)
             any |= b->live[i];
         if (!any)
             break;
         while (first < b->n)
-            M3_TRY(decode_group(b, first, step, &first));
+            M3_TRY(decode_group(b, first, step++, &first));
     }
     double decode = m3_now_seconds() - t0;
     for (int i = 0; i < b->n; i++)
@@ -224,7 +228,10 @@ m3_status m3_generate_batch(m3_engine *e, int n, const int32_t *const *prompts,
         return m3_fail(M3_ERR_INVALID_ARG, "m3_generate_batch: engine, options and results "
                        "are required");
     M3_TRY(m3_gen_check_batch(e, n, prompts, n_prompts, opts));
+    /* a decode step's requests: up to max_rows, and up to the 16 rows a
+     * step that samples on the device takes */
     int G = n < e->opts.max_rows ? n : e->opts.max_rows;
+    G = G < M3_GRAPH_MAX_ROWS ? G : M3_GRAPH_MAX_ROWS;
     size_t V = (size_t)e->cfg.vocab_size;
     batch b = {.e = e, .o = opts, .n = n, .res = res};
     b.seqs = m3_malloc((size_t)n * sizeof *b.seqs, "sequences");
