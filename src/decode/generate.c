@@ -106,7 +106,8 @@ typedef struct batch {
     int32_t *tok;       /* [n]: each request's last token */
     bool *live;         /* [n] */
     float *logits;      /* [n, V]: each request's prefill logits */
-    /* a decode step's: G = min(n, max_rows) requests */
+    /* a decode step's: G = min(n, max_rows, 16) requests */
+    int group;          /* G */
     m3_request *rq;     /* [G] */
     int *who;           /* [G]: the request of each */
     int32_t *next;      /* [G]: their tokens */
@@ -134,9 +135,8 @@ static m3_status prefill(batch *b, int i, const int32_t *prompt, int n_prompt) {
 static m3_status decode_group(batch *b, int first, int64_t step, int *after) {
     m3_engine *e = b->e;
     size_t V = (size_t)e->cfg.vocab_size;
-    int k = 0, i = first, most = b->n < e->opts.max_rows ? b->n : e->opts.max_rows;
-    most = most < M3_GRAPH_MAX_ROWS ? most : M3_GRAPH_MAX_ROWS;
-    for (; i < b->n && k < most; i++)
+    int k = 0, i = first;
+    for (; i < b->n && k < b->group; i++)
         if (b->live[i]) {
             b->who[k] = i;
             b->rq[k++] = (m3_request){b->seqs[i], &b->tok[i], 1};
@@ -233,7 +233,7 @@ m3_status m3_generate_batch(m3_engine *e, int n, const int32_t *const *prompts,
     int G = n < e->opts.max_rows ? n : e->opts.max_rows;
     G = G < M3_GRAPH_MAX_ROWS ? G : M3_GRAPH_MAX_ROWS;
     size_t V = (size_t)e->cfg.vocab_size;
-    batch b = {.e = e, .o = opts, .n = n, .res = res};
+    batch b = {.e = e, .o = opts, .n = n, .res = res, .group = G};
     b.seqs = m3_malloc((size_t)n * sizeof *b.seqs, "sequences");
     b.tok = m3_malloc((size_t)n * sizeof *b.tok, "tokens");
     b.live = m3_malloc((size_t)n * sizeof *b.live, "requests");
