@@ -1,13 +1,14 @@
 /*
- * `m3 bench layer`: parse the points to measure, run them (bench/), and
- * print a table (or JSON for machines) of time, bytes, floor and their
- * ratio per (rows, context).
+ * `m3 bench layer` (and `draft`, `linear`, `indexer`): parse the points to
+ * measure, run them (bench/), and print a table (or JSON for machines) of
+ * time, bytes, floor and their ratio per point.
  */
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/bench_draft.h"
 #include "bench/bench_layer.h"
 #include "cli/cli.h"
 #include "core/status.h"
@@ -47,7 +48,12 @@ static void bench_usage(FILE *f) {
             "                        [--world 1,2,4,8] [--heads 4] [--topk 16] [--iters N] [--json]\n"
             "                        [--target-grid N] [--min-blocks N]  (the chunk rule's constants)\n"
             "  indexer context parallelism: one rank's block scores + local top-k + merge\n"
-            "  (world > 1 emulated on one GPU by scoring rank 0's share)\n");
+            "  (world > 1 emulated on one GPU by scoring rank 0's share)\n"
+            "\n"
+            "       m3 bench draft --model DIR --draft DIR [--requests 1,2,4,8]\n"
+            "                      [--context 1024,32768] [--iters N] [--gpu N] [--json]\n"
+            "  one DSpark draft step, whole and in parts (draft layers with the final norm,\n"
+            "  lm_head, Markov head), each against its floor\n");
 }
 
 /* "1,2,4" -> values; false with a message on a bad list. */
@@ -351,7 +357,104 @@ static int bench_indexer(int argc, char **argv) {
     return st ? cli_report("bench", st) : CLI_OK;
 }
 
+static void print_draft(const m3_bench_draft_result *r, bool json) {
+    if (json) {
+        cJSON *o = cJSON_CreateObject(), *pts = cJSON_AddArrayToObject(o, "points");
+        cJSON_AddNumberToObject(o, "read_gb_per_s", r->read_gb_per_s);
+        cJSON_AddNumberToObject(o, "block", r->block);
+        cJSON_AddNumberToObject(o, "layers", r->layers);
+        for (int i = 0; i < r->n_points; i++) {
+            const m3_bench_draft_point *p = &r->points[i];
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddNumberToObject(j, "requests", p->requests);
+            cJSON_AddNumberToObject(j, "context", (double)p->context);
+            for (int k = 0; k < M3_BENCH_DRAFT_PARTS; k++) {
+                cJSON *q = cJSON_AddObjectToObject(j, m3_bench_draft_part_name(k));
+                cJSON_AddNumberToObject(q, "median_us", p->median_us[k]);
+                cJSON_AddNumberToObject(q, "min_us", p->min_us[k]);
+                cJSON_AddNumberToObject(q, "bytes", p->bytes[k]);
+                cJSON_AddNumberToObject(q, "floor_us", p->floor_us[k]);
+            }
+            cJSON_AddItemToArray(pts, j);
+        }
+        char *text = cJSON_Print(o);
+        if (text)
+            printf("%s\n", text);
+        free(text);
+        cJSON_Delete(o);
+        return;
+    }
+    printf("read bandwidth: %.0f GB/s; %d draft layers, block %d\n", r->read_gb_per_s,
+           r->layers, r->block);
+    printf("| requests | context | part | time us | min us | MB read | floor us | time/floor |\n");
+    printf("|---|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < r->n_points; i++) {
+        const m3_bench_draft_point *p = &r->points[i];
+        for (int k = 0; k < M3_BENCH_DRAFT_PARTS; k++)
+            printf("| %d | %lld | %s | %.1f | %.1f | %.1f | %.1f | %.2f |\n", p->requests,
+                   (long long)p->context, m3_bench_draft_part_name(k), p->median_us[k],
+                   p->min_us[k], p->bytes[k] / 1e6, p->floor_us[k],
+                   p->median_us[k] / p->floor_us[k]);
+        double sum = p->median_us[1] + p->median_us[2] + p->median_us[3];
+        printf("| %d | %lld | parts' sum | %.1f | | | | %.2f |\n", p->requests,
+               (long long)p->context, sum, sum / p->floor_us[0]);
+    }
+}
+
+/* `m3 bench draft`: a DSpark draft step's parts against their floors. */
+static int bench_draft(int argc, char **argv) {
+    m3_bench_draft_opts o = {.n_requests = 4, .requests = {1, 2, 4, 8}, .n_contexts = 2,
+                             .contexts = {1024, 32768}, .iters = 50};
+    bool json = false;
+    int64_t v, list[M3_BENCH_MAX_POINTS];
+    for (int i = 2; i < argc; i++) {
+        const char *f = argv[i], *val;
+        if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
+            bench_usage(stdout);
+            return CLI_OK;
+        }
+        if (!strcmp(f, "--json")) {
+            json = true;
+            continue;
+        }
+        if (!(val = cli_value(argc, argv, &i)))
+            return CLI_USAGE;
+        bool ok = true;
+        if (!strcmp(f, "--model")) {
+            o.model_dir = val;
+        } else if (!strcmp(f, "--draft")) {
+            o.draft_dir = val;
+        } else if (!strcmp(f, "--requests")) {
+            ok = parse_list(f, val, 1, M3_MAX_DRAFT_REQS, list, &o.n_requests);
+            for (int k = 0; ok && k < o.n_requests; k++)
+                o.requests[k] = (int)list[k];
+        } else if (!strcmp(f, "--context")) {
+            ok = parse_list(f, val, 1, (int64_t)1 << 32, o.contexts, &o.n_contexts);
+        } else if (!strcmp(f, "--iters") || !strcmp(f, "--gpu")) {
+            ok = cli_int(f, val, !strcmp(f, "--gpu") ? 0 : 1, 100000, &v);
+            *(!strcmp(f, "--gpu") ? &o.gpu : &o.iters) = (int)v;
+        } else {
+            fprintf(stderr, "m3 bench: unknown option '%s'\n", f);
+            return CLI_USAGE;
+        }
+        if (!ok)
+            return CLI_USAGE;
+    }
+    if (!o.model_dir || !o.draft_dir) {
+        fprintf(stderr, "m3 bench draft: give both --model and --draft\n");
+        return CLI_USAGE;
+    }
+    m3_bench_draft_result *r = malloc(sizeof *r);
+    m3_status st = r ? m3_bench_draft(&o, r) : m3_fail(M3_ERR_NO_MEMORY, "out of memory");
+    if (!st)
+        print_draft(r, json);
+    free(r);
+    return st ? cli_report("bench", st) : CLI_OK;
+}
+
 int cmd_bench(int argc, char **argv) {
+    if (argc >= 2 && !strcmp(argv[1], "draft"))
+        return bench_draft(argc, argv);
     if (argc >= 2 && !strcmp(argv[1], "indexer"))
         return bench_indexer(argc, argv);
     if (argc >= 2 && !strcmp(argv[1], "linear"))
@@ -361,7 +464,7 @@ int cmd_bench(int argc, char **argv) {
             bench_usage(stdout);
             return CLI_OK;
         }
-        fprintf(stderr, "m3 bench: expected 'layer', 'linear' or 'indexer'\n");
+        fprintf(stderr, "m3 bench: expected 'layer', 'linear', 'indexer' or 'draft'\n");
         bench_usage(stderr);
         return CLI_USAGE;
     }

@@ -97,9 +97,9 @@ static m3_status draft_attention(m3_drafter *d, int n, int layer) {
     return M3_OK;
 }
 
-/* The n*B rows through the draft layers and the target's final head:
- * r->logits [n*B, V] (backend memory), before the Markov bias. */
-static m3_status draft_rows(m3_drafter *d, int n) {
+/* The n*B rows through the draft layers and the final norm: r->final
+ * [n*B, H] (backend memory). */
+static m3_status draft_layers(m3_drafter *d, int n) {
     m3_draft_run *r = &d->run;
     m3_engine *e = r->eng;
     const m3_backend_ops *op = e->be->ops;
@@ -130,24 +130,28 @@ static m3_status draft_rows(m3_drafter *d, int n) {
         M3_TRY(op->swiglu(be, (int64_t)T * d->ffn_dim, r->gate, r->up, &act, r->act));
         M3_TRY(op->linear(be, T, r->act, &L->down, M3_DT_BF16, r->hidden));
     }
-    M3_TRY(op->add_rmsnorm(be, T, H, r->hidden, r->residual, &d->bw.final_norm, eps, r->final));
-    m3_linear head = {r->lm_head, {0}, 0, 0};
-    return op->linear(be, T, r->final, &head, M3_DT_F32, r->logits);
+    return op->add_rmsnorm(be, T, H, r->hidden, r->residual, &d->bw.final_norm, eps, r->final);
 }
 
-/* The draft step of n requests from its inputs in backend memory
- * (r->tokens, positions, pages and the anchors in drafts[0, *]) to the
- * drafts in r->drafts[1.., *]: the rows through the draft layers and the
- * head, then the Markov head row by row, every request's row j at once:
- * row j += W2 . W1[prev_j] (fp32), its argmax is prev_{j+1}; the drafts
- * stay in backend memory until all are chosen (a GPU step does not wait
- * for the host between rows). */
-static m3_status draft_step(m3_drafter *d, int n) {
+/* The target's lm_head over the n*B final rows: r->logits [n*B, V]
+ * (backend memory), before the Markov bias. */
+static m3_status draft_head(m3_drafter *d, int n) {
+    m3_draft_run *r = &d->run;
+    m3_backend *be = r->eng->be;
+    m3_linear head = {r->lm_head, {0}, 0, 0};
+    return be->ops->linear(be, n * d->cfg.block, r->final, &head, M3_DT_F32, r->logits);
+}
+
+/* The Markov head, from the head's logits and the anchors in drafts[0, *]
+ * to the drafts in r->drafts[1.., *], row by row, every request's row j at
+ * once: row j += W2 . W1[prev_j] (fp32), its argmax is prev_{j+1}; the
+ * drafts stay in backend memory until all are chosen (a GPU step does not
+ * wait for the host between rows). */
+static m3_status draft_markov(m3_drafter *d, int n) {
     m3_draft_run *r = &d->run;
     const m3_backend_ops *op = r->eng->be->ops;
     m3_backend *be = r->eng->be;
     int B = d->cfg.block, V = d->cfg.vocab_size, R = d->cfg.markov_rank, G = r->max_reqs;
-    M3_TRY(draft_rows(d, n));
     m3_linear w2 = {d->bw.markov_w2, {0}, 0, 0};
     for (int j = 0; j < B; j++) {
         const int32_t *prev = r->drafts + (size_t)j * G;
@@ -162,6 +166,15 @@ static m3_status draft_step(m3_drafter *d, int n) {
                                     r->drafts + (size_t)(j + 1) * G + g));
     }
     return M3_OK;
+}
+
+/* The draft step of n requests from its inputs in backend memory
+ * (r->tokens, positions, pages and the anchors in drafts[0, *]) to the
+ * drafts: the rows through the draft layers, the head, the Markov head. */
+static m3_status draft_step(m3_drafter *d, int n) {
+    M3_TRY(draft_layers(d, n));
+    M3_TRY(draft_head(d, n));
+    return draft_markov(d, n);
 }
 
 /* The draft step, from a graph where the engine replays its steps from
@@ -205,17 +218,19 @@ static m3_status check_request(const m3_drafter *d, const m3_engine *e, const m3
     return M3_OK;
 }
 
-m3_status m3_drafter_propose(m3_drafter *d, int n, const m3_seq *seqs, const int64_t *p,
-                             const int32_t *anchors, int32_t *drafts, float *logits) {
+/* Check a draft step's requests and upload its inputs (the rows' tokens
+ * and positions, the block tables, the anchors). */
+static m3_status draft_inputs(m3_drafter *d, int n, const m3_seq *seqs, const int64_t *p,
+                              const int32_t *anchors) {
     m3_draft_run *r = &d->run;
     m3_engine *e = r->eng;
     if (!e)
         return m3_fail(M3_ERR_INVALID_ARG, "the drafter is not bound to an engine");
-    if (n < 1 || n > r->max_reqs || !seqs || !p || !anchors || !drafts)
+    if (n < 1 || n > r->max_reqs || !seqs || !p || !anchors)
         return m3_fail(M3_ERR_INVALID_ARG, "a draft step of %d requests: 1 to %d, with their "
-                       "sequences, positions, anchors and a drafts array", n, r->max_reqs);
+                       "sequences, positions and anchors", n, r->max_reqs);
     M3_TRY(m3_engine_bind_thread(e));
-    int B = d->cfg.block, V = d->cfg.vocab_size, G = r->max_reqs;
+    int B = d->cfg.block;
     int32_t tokens[M3_MAX_DRAFT_REQS * M3_MAX_DRAFT_BLOCK];
     int64_t positions[M3_MAX_DRAFT_REQS * M3_MAX_DRAFT_BLOCK];
     const m3_backend_ops *op = e->be->ops;
@@ -232,7 +247,18 @@ m3_status m3_drafter_propose(m3_drafter *d, int n, const m3_seq *seqs, const int
     }
     M3_TRY(op->upload(be, r->tokens, tokens, (size_t)n * B * sizeof *tokens));
     M3_TRY(op->upload(be, r->positions, positions, (size_t)n * B * sizeof *positions));
-    M3_TRY(op->upload(be, r->drafts, anchors, (size_t)n * sizeof *anchors));
+    return op->upload(be, r->drafts, anchors, (size_t)n * sizeof *anchors);
+}
+
+m3_status m3_drafter_propose(m3_drafter *d, int n, const m3_seq *seqs, const int64_t *p,
+                             const int32_t *anchors, int32_t *drafts, float *logits) {
+    if (!drafts)
+        return m3_fail(M3_ERR_INVALID_ARG, "a draft step needs a drafts array");
+    M3_TRY(draft_inputs(d, n, seqs, p, anchors));
+    m3_draft_run *r = &d->run;
+    m3_backend *be = r->eng->be;
+    const m3_backend_ops *op = be->ops;
+    int B = d->cfg.block, V = d->cfg.vocab_size, G = r->max_reqs;
     M3_TRY(run_draft_step(d, n));
     int32_t all[(M3_MAX_DRAFT_BLOCK + 1) * M3_MAX_DRAFT_REQS];
     M3_TRY(op->download(be, all, r->drafts, (size_t)(B + 1) * G * sizeof *all));
@@ -242,4 +268,26 @@ m3_status m3_drafter_propose(m3_drafter *d, int n, const m3_seq *seqs, const int
     if (logits)
         M3_TRY(op->download(be, logits, r->logits, (size_t)n * B * V * sizeof *logits));
     return M3_OK;
+}
+
+m3_status m3_drafter_bench_inputs(m3_drafter *d, int n, const m3_seq *seqs, const int64_t *p,
+                                  const int32_t *anchors) {
+    return draft_inputs(d, n, seqs, p, anchors);
+}
+
+m3_status m3_drafter_bench_part(m3_drafter *d, int n, m3_draft_part part) {
+    if (!d->run.eng || n < 1 || n > d->run.max_reqs)
+        return m3_fail(M3_ERR_INVALID_ARG, "a draft part of %d requests on a drafter %s", n,
+                       d->run.eng ? "bound" : "not bound");
+    switch (part) {
+    case M3_DRAFT_PART_STEP:
+        return draft_step(d, n);
+    case M3_DRAFT_PART_LAYERS:
+        return draft_layers(d, n);
+    case M3_DRAFT_PART_HEAD:
+        return draft_head(d, n);
+    case M3_DRAFT_PART_MARKOV:
+        return draft_markov(d, n);
+    }
+    return m3_fail(M3_ERR_INVALID_ARG, "no draft part %d", (int)part);
 }

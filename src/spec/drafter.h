@@ -111,4 +111,18 @@ m3_status m3_drafter_extend(m3_drafter *d, int rows, const uint8_t *keep);
 m3_status m3_drafter_propose(m3_drafter *d, int n, const m3_seq *seqs, const int64_t *p,
                              const int32_t *anchors, int32_t *drafts, float *logits);
 
+/* Benchmarks (bench/bench_draft.c): a draft step's inputs uploaded as
+ * m3_drafter_propose does, then one part of the step launched on its own
+ * (launches only, so it can be captured): the whole step, the layers and
+ * final norm, the lm_head, the Markov head. */
+typedef enum m3_draft_part {
+    M3_DRAFT_PART_STEP,
+    M3_DRAFT_PART_LAYERS,
+    M3_DRAFT_PART_HEAD,
+    M3_DRAFT_PART_MARKOV,
+} m3_draft_part;
+m3_status m3_drafter_bench_inputs(m3_drafter *d, int n, const m3_seq *seqs, const int64_t *p,
+                                  const int32_t *anchors);
+m3_status m3_drafter_bench_part(m3_drafter *d, int n, m3_draft_part part);
+
 #endif

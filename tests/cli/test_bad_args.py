@@ -251,7 +251,15 @@ def gen_indexer_cp_on_cuda():
 
 @case
 def bench_usage():
-    expect_fail(["bench"], ["expected 'layer', 'linear' or 'indexer'"], rc=2)
+    expect_fail(["bench"], ["expected 'layer', 'linear', 'indexer' or 'draft'"], rc=2)
+    expect_fail(["bench", "draft", "--model", H.GOOD], ["give both --model and --draft"], rc=2)
+    expect_fail(["bench", "draft", "--model", H.GOOD, "--draft", H.GOOD, "--requests", "9"],
+                ["--requests"], rc=2)
+    expect_fail(["bench", "draft", "--model", H.GOOD, "--draft", H.GOOD, "--requests", "0"],
+                ["--requests"], rc=2)
+    expect_fail(["bench", "draft", "--model", H.GOOD, "--draft", H.GOOD, "--context", "0"],
+                ["--context"], rc=2)
+    expect_fail(["bench", "draft", "--frobnicate", "1"], ["unknown option"], rc=2)
     expect_fail(["bench", "indexer", "--world", "0"], ["--world"], rc=2)
     expect_fail(["bench", "indexer", "--world", "65"], ["--world"], rc=2)
     expect_fail(["bench", "indexer", "--batch", "x"], ["--batch"], rc=2)
@@ -267,6 +275,25 @@ def bench_indexer_without_gpu():
                                       "--world", "1,2", "--iters", "1"])
     if code == 0:
         if "| batch | context | world |" not in out:
+            raise Failure(f"exit 0 without the table\n  command: {shell(cmd)}\n  out: {out}")
+        return
+    if code != 1 or not REPORT_RE.search(err) or any(m in err for m in BAD_MARKERS):
+        raise Failure(f"exit {code}, stderr: {err.strip()[:2000]}\n  command: {shell(cmd)}")
+
+
+@case
+def bench_draft_checks():
+    """`m3 bench draft` checks its drafter before the device: a target as the
+    drafter is refused by name; a real drafter without a GPU gets the
+    device's error, exit 1 (with one, a table of the step's parts)."""
+    expect_fail(["bench", "draft", "--model", H.GOOD, "--draft", H.GOOD], ["not a DSpark drafter"],
+                rc=1)
+    d = synth_out("bench_draft_checks")
+    run_m3(["synth", "--draft-for", H.GOOD, "--out", d, "--layers", "1"])
+    code, out, err, cmd, dt = run_m3(["bench", "draft", "--model", H.GOOD, "--draft", d,
+                                      "--requests", "1", "--context", "200", "--iters", "2"])
+    if code == 0:
+        if "| requests | context | part |" not in out or "| markov |" not in out:
             raise Failure(f"exit 0 without the table\n  command: {shell(cmd)}\n  out: {out}")
         return
     if code != 1 or not REPORT_RE.search(err) or any(m in err for m in BAD_MARKERS):
