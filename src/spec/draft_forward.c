@@ -152,6 +152,13 @@ static m3_status draft_markov(m3_drafter *d, int n) {
     const m3_backend_ops *op = r->eng->be->ops;
     m3_backend *be = r->eng->be;
     int B = d->cfg.block, V = d->cfg.vocab_size, R = d->cfg.markov_rank, G = r->max_reqs;
+    if (r->fused_markov) { /* one launch a row: the same bits as the ops below */
+        for (int j = 0; j < B; j++)
+            M3_TRY(op->draft_markov(be, n, &d->bw.markov_w1, &d->bw.markov_w2,
+                                    r->drafts + (size_t)j * G, r->logits + (size_t)j * V,
+                                    (int64_t)B * V, r->drafts + (size_t)(j + 1) * G));
+        return M3_OK;
+    }
     m3_linear w2 = {d->bw.markov_w2, {0}, 0, 0};
     for (int j = 0; j < B; j++) {
         const int32_t *prev = r->drafts + (size_t)j * G;
