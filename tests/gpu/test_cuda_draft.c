@@ -22,7 +22,8 @@
  *    (taps and all) gives the same tokens and draft logits, bit for bit,
  *    as the same run on an engine without graphs.
  * 4. A batch of three prompts decoded speculatively together, two a
- *    cycle: graphs (verify steps of two requests' rows replayed too)
+ *    cycle and all three (24-row verify steps): graphs (verify steps
+ *    replayed too)
  *    against eager bit for bit, each request's first draft step against
  *    the CPU's, each request's tokens against its plain run alone
  *    (reported); and plain batched generation of 20 prompts, more than a
@@ -368,12 +369,15 @@ static void test_markov(void) {
 #define N_PROMPT 300
 #define N_GEN 24
 
-static m3_engine *engine_seqs(m3_model *m, m3_device dev, bool graphs, int max_seqs) {
+/* max_rows 0: 64 for one sequence, else 16 (a batch: two requests' 8 rows
+ * a verify step) */
+static m3_engine *engine_rows(m3_model *m, m3_device dev, bool graphs, int max_seqs,
+                              int max_rows) {
     m3_engine_opts o = m3_engine_defaults();
     o.device = dev;
     o.graphs = graphs;
     o.threads = 4;
-    o.max_rows = max_seqs > 1 ? 16 : 64; /* a batch: two requests' 8 rows a verify step */
+    o.max_rows = max_rows ? max_rows : max_seqs > 1 ? 16 : 64;
     o.max_seqs = max_seqs;
     o.max_tokens = (int64_t)max_seqs * (N_PROMPT + N_GEN + 128);
     o.decode = M3_DECODE_STOCK;
@@ -381,6 +385,10 @@ static m3_engine *engine_seqs(m3_model *m, m3_device dev, bool graphs, int max_s
     if (m3_engine_create(m, &o, &e))
         fprintf(stderr, "engine: %s\n", m3_last_error());
     return e;
+}
+
+static m3_engine *engine_seqs(m3_model *m, m3_device dev, bool graphs, int max_seqs) {
+    return engine_rows(m, dev, graphs, max_seqs, 0);
 }
 
 static m3_engine *engine(m3_model *m, m3_device dev, bool graphs) {
@@ -535,7 +543,9 @@ static bool batch_spec(m3_engine *e, m3_drafter *d, const int32_t *const *prompt
  * batch within bf16 noise; and each request's tokens against its plain
  * greedy run alone on the GPU (equal unless a near tie flips where the
  * stock path's rows depend on the batch: reported, not failed). */
-static void batch_case(const char *what, m3_model *m, const char *draft_dir) {
+/* max_rows 16: two requests a cycle (a 16-row verify step); 32: all three
+ * (24 rows, a verify bucket above the decode steps' 16) */
+static void batch_case(const char *what, m3_model *m, const char *draft_dir, int max_rows) {
     m3_drafter *d = NULL;
     g_cases += 2;
     if (m3_drafter_load(draft_dir, m, NULL, &d)) {
@@ -553,9 +563,9 @@ static void batch_case(const char *what, m3_model *m, const char *draft_dir) {
             buf[r][i] = (int32_t)((i * 41 + 3 + 7 * r) % V);
         prompts[r] = buf[r];
     }
-    m3_engine *eg = engine_seqs(m, M3_DEVICE_CUDA, true, N_BATCH);
-    m3_engine *ee = engine_seqs(m, M3_DEVICE_CUDA, false, N_BATCH);
-    m3_engine *ec = engine_seqs(m, M3_DEVICE_CPU, false, N_BATCH);
+    m3_engine *eg = engine_rows(m, M3_DEVICE_CUDA, true, N_BATCH, max_rows);
+    m3_engine *ee = engine_rows(m, M3_DEVICE_CUDA, false, N_BATCH, max_rows);
+    m3_engine *ec = engine_rows(m, M3_DEVICE_CPU, false, N_BATCH, max_rows);
     batch_run g = {0}, e = {0}, c = {0};
     printf("%s, GPU:\n", what);
     bool ok = batch_spec(eg, d, prompts, lens, &g);
@@ -699,7 +709,8 @@ int main(void) {
         return 1;
     }
     run_case("random drafter", m, ddir);
-    batch_case("random drafter, a batch of 3", m, ddir);
+    batch_case("random drafter, a batch of 3, two a cycle", m, ddir, 16);
+    batch_case("random drafter, a batch of 3, all in one cycle", m, ddir, 32);
     plain_batch_case(m);
     snprintf(ddir, sizeof ddir, "%s/draft_window", tdir);
     dopt.window = 16;
