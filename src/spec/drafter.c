@@ -384,6 +384,9 @@ void m3_drafter_detach(m3_drafter *d) {
     for (int g = 0; g <= M3_MAX_DRAFT_REQS; g++)
         if (r->graph[g]) /* (they hold the buffers below) */
             be->ops->graph_free(be, r->graph[g]);
+    for (int n = 0; n <= M3_GRAPH_MAX_VERIFY_ROWS; n++)
+        if (r->ctx_graph[n])
+            be->ops->graph_free(be, r->ctx_graph[n]);
     free(r->host_slots);
     for (int i = 0; r->k_cache && i < 2 * d->cfg.attn.num_layers; i++)
         if (r->k_cache[i])
