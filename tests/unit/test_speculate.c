@@ -570,6 +570,67 @@ static void keep_mask_case(m3_model *m) {
     m3_drafter_free(dr);
 }
 
+/* The benchmark's parts of a draft step (m3_drafter_bench_part, `m3 bench
+ * draft`): the whole step, and the layers, head and Markov head one after
+ * the other, give m3_drafter_propose's drafts and logits bit for bit; a
+ * part of too many requests or an unknown part is refused. */
+static void parts_case(m3_model *m) {
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/draft_parts", g_tmp);
+    m3_synth_draft_opts dopt = {2, 7, 0, false};
+    m3_synth_opts so = {6, false, 0};
+    m3_drafter *dr = NULL;
+    m3_model_opts mo = {false};
+    CHECK_OK(m3_synth_drafter(m3_model_config(m), dir, &dopt, &so));
+    CHECK_OK(m3_drafter_load(dir, m, &mo, &dr));
+    m3_engine *e = make_engine(m, 64, 2);
+    if (!dr || !e || m3_drafter_attach(dr, e) != M3_OK) {
+        CHECK(false);
+        m3_engine_free(e);
+        m3_drafter_free(dr);
+        return;
+    }
+    int B = dr->cfg.block, V = dr->cfg.vocab_size, G = dr->run.max_reqs;
+    m3_seq seqs[2];
+    int32_t tokens[12] = {5, 9, 1, 33, 7, 2, 8, 40, 3, 11, 6, 4};
+    size_t nl = (size_t)2 * B * V;
+    float *logits = malloc(nl * sizeof *logits);
+    for (int g = 0; g < 2; g++) {
+        CHECK_OK(m3_seq_create(e, &seqs[g]));
+        m3_request rq = {seqs[g], tokens + g, 10};
+        CHECK_OK(m3_engine_step(e, &rq, 1, logits, NULL));
+        CHECK_OK(m3_drafter_extend(dr, 10, NULL));
+    }
+    int64_t pos[2] = {10, 10};
+    int32_t anchors[2] = {17, 23}, want[2 * M3_MAX_DRAFT_BLOCK];
+    CHECK_OK(m3_drafter_propose(dr, 2, seqs, pos, anchors, want, logits));
+    for (int way = 0; way < 2; way++) {
+        memset(dr->run.drafts, 0xff, (size_t)(B + 1) * G * sizeof *dr->run.drafts);
+        memset(dr->run.logits, 0xff, nl * sizeof *logits);
+        CHECK_OK(m3_drafter_bench_inputs(dr, 2, seqs, pos, anchors));
+        if (way == 0)
+            CHECK_OK(m3_drafter_bench_part(dr, 2, M3_DRAFT_PART_STEP));
+        for (int k = M3_DRAFT_PART_LAYERS; way == 1 && k <= M3_DRAFT_PART_MARKOV; k++)
+            CHECK_OK(m3_drafter_bench_part(dr, 2, (m3_draft_part)k));
+        bool same = !memcmp(dr->run.logits, logits, nl * sizeof *logits);
+        for (int g = 0; g < 2; g++)
+            for (int j = 0; j < B; j++)
+                same &= dr->run.drafts[(j + 1) * G + g] == want[g * B + j];
+        if (!same)
+            fprintf(stderr, "draft parts (%s) differ from propose\n", way ? "one by one" : "whole");
+        CHECK(same);
+    }
+    CHECK_FAILS(m3_drafter_bench_part(dr, G + 1, M3_DRAFT_PART_STEP), M3_ERR_INVALID_ARG,
+                "requests");
+    CHECK_FAILS(m3_drafter_bench_part(dr, 1, (m3_draft_part)9), M3_ERR_INVALID_ARG, "part");
+    free(logits);
+    for (int g = 0; g < 2; g++)
+        CHECK_OK(m3_seq_free(e, seqs[g]));
+    m3_drafter_detach(dr);
+    m3_engine_free(e);
+    m3_drafter_free(dr);
+}
+
 /* A drafter made for another target is refused with the field named. */
 static void mismatch_case(const m3_model *m, m3_model *other) {
     char dir[600];
@@ -727,6 +788,7 @@ int main(void) {
         drafter_case(m, plain, 0);
     drafter_case(m, plain, 8);
     keep_mask_case(m);
+    parts_case(m);
     mismatch_case(m, other);
 
     for (int r = 0; r < NREQ; r++)
