@@ -513,26 +513,37 @@ static void drafter_case(m3_model *m, const plain_run *plain, int64_t window) {
     m3_drafter_free(dr);
 }
 
+/* A fresh drafter of `layers` layers (seed) for m under g_tmp/name,
+ * attached to a new CPU engine of 64 rows and 2 sequences; false (the
+ * check failed, nothing left allocated) when any of that fails. */
+static bool attached_drafter(m3_model *m, const char *name, int layers, uint64_t seed,
+                             m3_drafter **dr, m3_engine **e) {
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/%s", g_tmp, name);
+    m3_synth_draft_opts dopt = {layers, 7, 0, false};
+    m3_synth_opts so = {seed, false, 0};
+    m3_model_opts mo = {false};
+    *dr = NULL;
+    CHECK_OK(m3_synth_drafter(m3_model_config(m), dir, &dopt, &so));
+    CHECK_OK(m3_drafter_load(dir, m, &mo, dr));
+    *e = make_engine(m, 64, 2);
+    if (*dr && *e && m3_drafter_attach(*dr, *e) == M3_OK)
+        return true;
+    CHECK(false);
+    m3_engine_free(*e);
+    m3_drafter_free(*dr);
+    return false;
+}
+
 /* The context takes the rows the target kept and writes nothing at the
  * others' slots (after a cut they may be another sequence's pages): the
  * drafter's cache poisoned, one 10-row step, extend with a keep mask; then
  * without one. */
 static void keep_mask_case(m3_model *m) {
-    char dir[600];
-    snprintf(dir, sizeof dir, "%s/draft_keep", g_tmp);
-    m3_synth_draft_opts dopt = {1, 7, 0, false};
-    m3_synth_opts so = {4, false, 0};
     m3_drafter *dr = NULL;
-    m3_model_opts mo = {false};
-    CHECK_OK(m3_synth_drafter(m3_model_config(m), dir, &dopt, &so));
-    CHECK_OK(m3_drafter_load(dir, m, &mo, &dr));
-    m3_engine *e = make_engine(m, 64, 2);
-    if (!dr || !e || m3_drafter_attach(dr, e) != M3_OK) {
-        CHECK(false);
-        m3_engine_free(e);
-        m3_drafter_free(dr);
+    m3_engine *e = NULL;
+    if (!attached_drafter(m, "draft_keep", 1, 4, &dr, &e))
         return;
-    }
     const m3_config *a = &dr->cfg.attn;
     int Nkv = a->num_kv_heads, D = a->head_dim;
     size_t n = (size_t)dr->run.n_pages * M3_PAGE_TOKENS * Nkv * D;
@@ -575,21 +586,10 @@ static void keep_mask_case(m3_model *m) {
  * the other, give m3_drafter_propose's drafts and logits bit for bit; a
  * part of too many requests or an unknown part is refused. */
 static void parts_case(m3_model *m) {
-    char dir[600];
-    snprintf(dir, sizeof dir, "%s/draft_parts", g_tmp);
-    m3_synth_draft_opts dopt = {2, 7, 0, false};
-    m3_synth_opts so = {6, false, 0};
     m3_drafter *dr = NULL;
-    m3_model_opts mo = {false};
-    CHECK_OK(m3_synth_drafter(m3_model_config(m), dir, &dopt, &so));
-    CHECK_OK(m3_drafter_load(dir, m, &mo, &dr));
-    m3_engine *e = make_engine(m, 64, 2);
-    if (!dr || !e || m3_drafter_attach(dr, e) != M3_OK) {
-        CHECK(false);
-        m3_engine_free(e);
-        m3_drafter_free(dr);
+    m3_engine *e = NULL;
+    if (!attached_drafter(m, "draft_parts", 2, 6, &dr, &e))
         return;
-    }
     int B = dr->cfg.block, V = dr->cfg.vocab_size, G = dr->run.max_reqs;
     m3_seq seqs[2];
     int32_t tokens[12] = {5, 9, 1, 33, 7, 2, 8, 40, 3, 11, 6, 4};
