@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "bench/bench_draft.h"
+#include "bench/bench_util.h"
 #include "core/status.h"
 #include "cuda/cuda_bench.h"
 #include "spec/drafter.h"
@@ -21,14 +22,6 @@ const char *m3_bench_draft_part_name(int part) {
     return part >= 0 && part < M3_BENCH_DRAFT_PARTS ? part_names[part] : "?";
 }
 
-static double tensor_bytes(const m3_tensor *t) {
-    return t->data ? (double)m3_tensor_nelem(t) * (double)m3_dtype_size(t->dtype) : 0;
-}
-
-static double linear_bytes(const m3_linear *l) {
-    return tensor_bytes(&l->w) + tensor_bytes(&l->scale);
-}
-
 /* The floor's bytes of each part for n requests at `context` tokens. */
 static void part_bytes(const m3_drafter *d, int n, int64_t context, double *bytes) {
     const m3_config *a = &d->cfg.attn;
@@ -36,29 +29,24 @@ static void part_bytes(const m3_drafter *d, int n, int64_t context, double *byte
     double layers = 0;
     for (int i = 0; i < a->num_layers; i++) {
         const m3_draft_layer *L = &d->bw.layers[i];
-        layers += tensor_bytes(&L->input_norm) + tensor_bytes(&L->post_norm) +
-                  linear_bytes(&L->q_proj) + linear_bytes(&L->k_proj) +
-                  linear_bytes(&L->v_proj) + linear_bytes(&L->o_proj) +
-                  tensor_bytes(&L->q_norm) + tensor_bytes(&L->k_norm) + linear_bytes(&L->gate) +
-                  linear_bytes(&L->up) + linear_bytes(&L->down);
+        layers += bench_tensor_bytes(&L->input_norm) + bench_tensor_bytes(&L->post_norm) +
+                  bench_linear_bytes(&L->q_proj) + bench_linear_bytes(&L->k_proj) +
+                  bench_linear_bytes(&L->v_proj) + bench_linear_bytes(&L->o_proj) +
+                  bench_tensor_bytes(&L->q_norm) + bench_tensor_bytes(&L->k_norm) + bench_linear_bytes(&L->gate) +
+                  bench_linear_bytes(&L->up) + bench_linear_bytes(&L->down);
     }
     /* each request's context K and V in every layer (a window reads at
      * most its keys), and the block's embedding rows */
     int64_t keys = d->cfg.window && d->cfg.window < context ? d->cfg.window : context;
     layers += (double)a->num_layers * n * keys * a->num_kv_heads * a->head_dim * 2.0 * 2.0;
-    layers += (double)n * B * a->hidden_size * 2.0 + tensor_bytes(&d->bw.final_norm);
+    layers += (double)n * B * a->hidden_size * 2.0 + bench_tensor_bytes(&d->bw.final_norm);
     bytes[M3_DRAFT_PART_LAYERS] = layers;
-    bytes[M3_DRAFT_PART_HEAD] = tensor_bytes(&d->run.lm_head);
+    bytes[M3_DRAFT_PART_HEAD] = bench_tensor_bytes(&d->run.lm_head);
     /* a Markov step reads W2 once for every request and each request's
      * logits row once */
-    double w2 = d->cfg.markov_rank ? tensor_bytes(&d->bw.markov_w2) : 0;
+    double w2 = d->cfg.markov_rank ? bench_tensor_bytes(&d->bw.markov_w2) : 0;
     bytes[M3_DRAFT_PART_MARKOV] = B * (w2 + (double)n * d->cfg.vocab_size * 4.0);
     bytes[M3_DRAFT_PART_STEP] = layers + bytes[M3_DRAFT_PART_HEAD] + bytes[M3_DRAFT_PART_MARKOV];
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* One part of a draft step of n requests: run once eagerly (it sizes the
@@ -89,7 +77,7 @@ static m3_status time_part(m3_drafter *d, int n, m3_draft_part part, int iters, 
     if (graph)
         be->ops->graph_free(be, graph);
     if (!st) {
-        qsort(us, (size_t)iters, sizeof *us, cmp_double);
+        qsort(us, (size_t)iters, sizeof *us, bench_cmp_double);
         *median = us[iters / 2];
         *min = us[0];
     }

@@ -19,6 +19,7 @@
  * counts that share of the index cache.
  */
 #include "bench/bench_layer.h"
+#include "bench/bench_util.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -36,33 +37,25 @@
 #define ROTATE_BYTES ((double)(512u << 20)) /* inputs rotated per point: ~8x the L2 */
 #define MAX_SETS 64
 
-static double tensor_bytes(const m3_tensor *t) {
-    return t->data ? (double)m3_tensor_nelem(t) * (double)m3_dtype_size(t->dtype) : 0;
-}
-
-static double linear_bytes(const m3_linear *l) {
-    return tensor_bytes(&l->w) + tensor_bytes(&l->scale);
-}
-
 /* Weights every step of the layer reads, whatever the routing. */
 static double fixed_weight_bytes(const m3_layer_weights *w) {
-    double b = tensor_bytes(&w->input_norm) + tensor_bytes(&w->post_norm) +
-               linear_bytes(&w->q_proj) + linear_bytes(&w->k_proj) + linear_bytes(&w->v_proj) +
-               linear_bytes(&w->o_proj) + tensor_bytes(&w->q_norm) + tensor_bytes(&w->k_norm);
+    double b = bench_tensor_bytes(&w->input_norm) + bench_tensor_bytes(&w->post_norm) +
+               bench_linear_bytes(&w->q_proj) + bench_linear_bytes(&w->k_proj) + bench_linear_bytes(&w->v_proj) +
+               bench_linear_bytes(&w->o_proj) + bench_tensor_bytes(&w->q_norm) + bench_tensor_bytes(&w->k_norm);
     if (w->sparse)
-        b += linear_bytes(&w->iq_proj) + linear_bytes(&w->ik_proj) + tensor_bytes(&w->iq_norm) +
-             tensor_bytes(&w->ik_norm);
+        b += bench_linear_bytes(&w->iq_proj) + bench_linear_bytes(&w->ik_proj) + bench_tensor_bytes(&w->iq_norm) +
+             bench_tensor_bytes(&w->ik_norm);
     if (w->moe)
-        b += tensor_bytes(&w->router) + tensor_bytes(&w->router_bias) +
-             linear_bytes(&w->sh_gate) + linear_bytes(&w->sh_up) + linear_bytes(&w->sh_down);
+        b += bench_tensor_bytes(&w->router) + bench_tensor_bytes(&w->router_bias) +
+             bench_linear_bytes(&w->sh_gate) + bench_linear_bytes(&w->sh_up) + bench_linear_bytes(&w->sh_down);
     else
-        b += linear_bytes(&w->mlp_gate) + linear_bytes(&w->mlp_up) + linear_bytes(&w->mlp_down);
+        b += bench_linear_bytes(&w->mlp_gate) + bench_linear_bytes(&w->mlp_up) + bench_linear_bytes(&w->mlp_down);
     return b;
 }
 
 static double expert_bytes(const m3_layer_weights *w) {
-    return w->moe ? linear_bytes(&w->exp_gate[0]) + linear_bytes(&w->exp_up[0]) +
-                        linear_bytes(&w->exp_down[0])
+    return w->moe ? bench_linear_bytes(&w->exp_gate[0]) + bench_linear_bytes(&w->exp_up[0]) +
+                        bench_linear_bytes(&w->exp_down[0])
                   : 0;
 }
 
@@ -128,11 +121,6 @@ static m3_status prepare_set(bench_ctx *b, m3_engine *e, int rows, int s) {
     size_t n = (size_t)rows * e->cfg.hidden_size;
     M3_TRY(m3_cuda_fill_random_bf16(e->be, e->s.hidden, n, 1000 + 2 * (uint64_t)s, 1.0f));
     return m3_cuda_fill_random_bf16(e->be, e->s.residual, n, 1001 + 2 * (uint64_t)s, 1.0f);
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* The layer on the benchmarked path. */
@@ -241,7 +229,7 @@ static void summarize(const bench_ctx *b, const double *us, double *median, doub
     for (int i = 0; i < b->iters; i++)
         for (int r = 0; r < b->world; r++)
             worst[i] = fmax(worst[i], us[(size_t)r * b->iters + i]);
-    qsort(worst, (size_t)b->iters, sizeof *worst, cmp_double);
+    qsort(worst, (size_t)b->iters, sizeof *worst, bench_cmp_double);
     *median = worst[b->iters / 2];
     *min = worst[0];
     free(worst);
