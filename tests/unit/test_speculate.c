@@ -72,6 +72,21 @@ static int keep_request_logits(void *user, int request, int32_t token, const flo
     return request == k->stop_request && p->n == k->stop_after;
 }
 
+/* Options whose callback records n requests' logits into got (fresh
+ * buffers of MAX_NEW rows of V) through sink: max_new tokens each, no stop
+ * at end-of-sequence. */
+static m3_gen_opts recording_opts(plain_run *got, int n, int V, int max_new, logit_sink *sink) {
+    for (int r = 0; r < n; r++)
+        got[r] = (plain_run){.logits = malloc((size_t)MAX_NEW * V * sizeof(float)), .V = V};
+    *sink = (logit_sink){got, -1, 0};
+    m3_gen_opts go = m3_gen_defaults();
+    go.max_new_tokens = max_new;
+    go.stop_at_eos = false;
+    go.on_request_token = keep_request_logits;
+    go.user = sink;
+    return go;
+}
+
 static int keep_logits(void *user, int32_t token, const float *logits, int vocab) {
     plain_run *p = user;
     (void)token;
@@ -223,14 +238,8 @@ static void oracle_case(m3_model *m, const plain_run *plain, int n, int max_rows
     oracle o = oracle_for(e, plain, block, plan, n_plan, max_new, n);
     m3_proposer pr = {block, NREQ, &o, oracle_extend, oracle_propose};
     plain_run got[NREQ];
-    for (int r = 0; r < n; r++)
-        got[r] = (plain_run){.logits = malloc((size_t)MAX_NEW * V * sizeof(float)), .V = V};
-    logit_sink sink = {got, -1, 0};
-    m3_gen_opts go = m3_gen_defaults();
-    go.max_new_tokens = max_new;
-    go.stop_at_eos = false;
-    go.on_request_token = keep_request_logits;
-    go.user = &sink;
+    logit_sink sink;
+    m3_gen_opts go = recording_opts(got, n, V, max_new, &sink);
     m3_gen_result res[NREQ];
     m3_spec_stats stats = {.keep_steps = true};
     CHECK_OK(m3_speculate(e, &pr, n, ps.p, ps.n, &go, res, &stats));
@@ -374,14 +383,8 @@ static void plain_batch_case(m3_model *m, const plain_run *plain) {
         if (!e)
             return;
         plain_run got[NREQ];
-        for (int r = 0; r < NREQ; r++)
-            got[r] = (plain_run){.logits = malloc((size_t)MAX_NEW * V * sizeof(float)), .V = V};
-        logit_sink sink = {got, -1, 0};
-        m3_gen_opts go = m3_gen_defaults();
-        go.max_new_tokens = MAX_NEW;
-        go.stop_at_eos = false;
-        go.on_request_token = keep_request_logits;
-        go.user = &sink;
+        logit_sink sink;
+        m3_gen_opts go = recording_opts(got, NREQ, V, MAX_NEW, &sink);
         m3_gen_result res[NREQ];
         CHECK_OK(m3_generate_batch(e, NREQ, ps.p, ps.n, &go, res));
         for (int r = 0; r < NREQ; r++) {
