@@ -33,8 +33,6 @@ extern "C" {
 #include "core/status.h"
 #include "cuda/cuda_limits.h"
 
-#define M3_CUDA_WORKSPACES 8
-
 enum m3_cuda_workspace_slot {
     M3_CUDA_WS_ATTENTION = 0, /* split-K partials of attention */
     M3_CUDA_WS_MOE,           /* router logits, routing, expert activations */
@@ -43,6 +41,7 @@ enum m3_cuda_workspace_slot {
     M3_CUDA_WS_MISC,
     M3_CUDA_WS_COMM,          /* TP: the ranks' gathered values, summed over ranks */
     M3_CUDA_WS_CP,            /* indexer CP in a layer: gathered queries, scores, keys */
+    M3_CUDA_WORKSPACES        /* (how many: a slot added above is counted) */
 };
 
 typedef struct m3_cuda {
