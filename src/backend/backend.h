@@ -26,6 +26,10 @@
 #include "m3.h"
 #include "model/model.h"
 
+/* Most requests one draft_markov call serves (the drafter's
+ * M3_MAX_DRAFT_REQS). */
+#define M3_MAX_MARKOV_REQS 8
+
 typedef struct m3_backend m3_backend;
 
 typedef struct m3_rope {
@@ -170,6 +174,18 @@ typedef struct m3_backend_ops {
      * the next row's bias is gathered by it without a trip to the host. */
     m3_status (*draft_argmax)(m3_backend *be, int vocab, float *row, const float *bias,
                               int32_t *token);
+
+    /* The DSpark drafter's Markov step for n requests in one call (NULL, or
+     * M3_ERR_UNSUPPORTED for these weights: the drafter runs gather_rows,
+     * linear and draft_argmax instead, whose results this gives bit for
+     * bit): for request g, rows[g] (fp32 [V], row_stride apart) +=
+     * W2 . W1[prev[g]] (W1, W2 [V, R] bf16, summed as linear sums), then
+     * next[g] = draft_argmax's token of it; prev, rows, next in backend
+     * memory. n = 0 asks only whether the op takes these weights (outside
+     * a capture: it also readies the op's state). n <= M3_MAX_MARKOV_REQS. */
+    m3_status (*draft_markov)(m3_backend *be, int n, const m3_tensor *w1, const m3_tensor *w2,
+                              const int32_t *prev, float *rows, int64_t row_stride,
+                              int32_t *next);
 
     /* out = bf16(swiglu_oai(gate, up)) elementwise over n values. */
     m3_status (*swiglu)(m3_backend *be, int64_t n, const uint16_t *gate, const uint16_t *up,

@@ -351,6 +351,7 @@ static const m3_backend_ops cuda_ops = {
     .attention = m3_cuda_attention,
     .draft_attention = m3_cuda_draft_attention,
     .draft_argmax = m3_cuda_draft_argmax,
+    .draft_markov = m3_cuda_draft_markov,
     .swiglu = m3_cuda_swiglu,
     .moe = m3_cuda_moe,
     .graph_begin = cuda_graph_begin,

@@ -590,7 +590,7 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
 /* The graph bucket of a step of `rows` rows whose logits are those of
  * out_rows (n_out of them), or -1: a decode step (one token per request,
  * each after a prefill: `decode`), padded up to its bucket's width; or,
- * at TP 1, requests extending their sequences by 2..16 rows in all that
+ * at TP 1, requests extending their sequences by 2..64 rows in all that
  * want every row's logits in order, as a graph computes them (the verify
  * step of speculative decoding, one request or a batch's). Every launch of
  * such a step is sized by its row count and capacities alone and reads
@@ -599,7 +599,9 @@ static m3_status build_step(m3_engine *e, const m3_request *reqs, int n_reqs, in
  * split into requests. */
 static int graph_bucket(const m3_engine *e, const m3_request *reqs, int n_reqs, bool decode,
                         int rows, const int32_t *out_rows, int n_out) {
-    if (!e->graphs || rows > M3_GRAPH_MAX_ROWS)
+    if (!e->graphs || rows > M3_GRAPH_MAX_VERIFY_ROWS)
+        return -1;
+    if (decode && rows > M3_GRAPH_MAX_ROWS)
         return -1;
     if (decode) {
         int b = 0;

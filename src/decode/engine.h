@@ -15,11 +15,14 @@
 #include "model/model.h"
 
 #define M3_GRAPH_MAX_ROWS 16
+/* Most rows of a verify step replayed from a graph: a batch of 8 requests'
+ * anchors and 7 drafts each (SPEC §7). */
+#define M3_GRAPH_MAX_VERIFY_ROWS 64
 /* Graph buckets: decode steps of 1, 2, 4, 8, 16 rows (padded up), then
- * requests extending their sequences by 2..16 rows in all with every row's
+ * requests extending their sequences by 2..64 rows in all with every row's
  * logits (a speculative verify step), one bucket per row count */
 #define M3_GRAPH_DECODE_BUCKETS 5
-#define M3_GRAPH_BUCKETS (M3_GRAPH_DECODE_BUCKETS + M3_GRAPH_MAX_ROWS - 1)
+#define M3_GRAPH_BUCKETS (M3_GRAPH_DECODE_BUCKETS + M3_GRAPH_MAX_VERIFY_ROWS - 1)
 
 /* Activations of one step, in backend memory; R = max(max_rows, 16). */
 typedef struct m3_scratch {

@@ -18,11 +18,11 @@
 #include "core/status.h"
 #include "spec/drafter.h"
 
-/* The slots the context writes: the step's own when every row is kept,
- * else a copy with -1 for the rows dropped (the cache_write op skips
- * them), in backend memory. */
+/* The slots the context writes: the step's own when every row is kept
+ * (and no graph is to hold the pointer), else a copy with -1 for the rows
+ * dropped (the cache_write op skips them), in backend memory. */
 static m3_status context_slots(m3_draft_run *r, const m3_step *st, int rows, const uint8_t *keep,
-                               const int64_t **slots) {
+                               bool copy, const int64_t **slots) {
     bool all = true;
     for (int t = 0; t < rows; t++) {
         bool kept = !keep || keep[t];
@@ -31,29 +31,21 @@ static m3_status context_slots(m3_draft_run *r, const m3_step *st, int rows, con
         all = all && kept;
     }
     *slots = st->dev.slots;
-    if (all)
+    if (all && !copy)
         return M3_OK;
     for (int t = 0; t < rows; t++)
-        r->host_slots[t] = keep[t] ? st->host.slots[t] : -1;
+        r->host_slots[t] = !keep || keep[t] ? st->host.slots[t] : -1;
     *slots = r->ctx_slots;
     m3_backend *be = r->eng->be;
     return be->ops->upload(be, r->ctx_slots, r->host_slots, (size_t)rows * sizeof(int64_t));
 }
 
-m3_status m3_drafter_extend(m3_drafter *d, int rows, const uint8_t *keep) {
+/* The context's ops for `rows` rows of the engine's step, writing at
+ * slots (backend memory). */
+static m3_status context_ops(m3_drafter *d, int rows, const int64_t *slots) {
     m3_draft_run *r = &d->run;
     m3_engine *e = r->eng;
-    if (!e)
-        return m3_fail(M3_ERR_INVALID_ARG, "the drafter is not bound to an engine");
-    M3_TRY(m3_engine_bind_thread(e)); /* TP > 1 on GPUs: rank 0's */
     const m3_step *st = &e->step;
-    if (rows < 0 || rows > st->rows || rows > r->rows)
-        return m3_fail(M3_ERR_INVALID_ARG, "drafter context: %d rows of a %d-row step", rows,
-                       st->rows);
-    if (!rows)
-        return M3_OK;
-    const int64_t *slots = NULL;
-    M3_TRY(context_slots(r, st, rows, keep, &slots));
     const m3_backend_ops *op = e->be->ops;
     m3_backend *be = e->be;
     const m3_config *a = &d->cfg.attn;
@@ -76,6 +68,41 @@ m3_status m3_drafter_extend(m3_drafter *d, int rows, const uint8_t *keep) {
                                r->v_cache[i]));
     }
     return M3_OK;
+}
+
+m3_status m3_drafter_extend(m3_drafter *d, int rows, const uint8_t *keep) {
+    m3_draft_run *r = &d->run;
+    m3_engine *e = r->eng;
+    if (!e)
+        return m3_fail(M3_ERR_INVALID_ARG, "the drafter is not bound to an engine");
+    M3_TRY(m3_engine_bind_thread(e)); /* TP > 1 on GPUs: rank 0's */
+    const m3_step *st = &e->step;
+    if (rows < 0 || rows > st->rows || rows > r->rows)
+        return m3_fail(M3_ERR_INVALID_ARG, "drafter context: %d rows of a %d-row step", rows,
+                       st->rows);
+    if (!rows)
+        return M3_OK;
+    /* where the engine replays graphs, a context of up to a verify step's
+     * rows is a graph per row count too (its inputs sit in fixed buffers:
+     * the taps, the step's positions, the slots copied into ctx_slots);
+     * the first of a count runs eagerly, sizing every workspace */
+    bool graph = e->graphs && rows <= M3_GRAPH_MAX_VERIFY_ROWS;
+    const int64_t *slots = NULL;
+    M3_TRY(context_slots(r, st, rows, keep, graph, &slots));
+    if (!graph)
+        return context_ops(d, rows, slots);
+    m3_backend *be = e->be;
+    if (r->ctx_graph[rows]) {
+        M3_TRY(be->ops->graph_launch(be, r->ctx_graph[rows]));
+        r->ctx_replays++;
+        return M3_OK;
+    }
+    M3_TRY(context_ops(d, rows, slots));
+    M3_TRY(be->ops->graph_begin(be));
+    m3_status cap = context_ops(d, rows, slots);
+    m3_status end = be->ops->graph_end(be, cap == M3_OK, &r->ctx_graph[rows]);
+    M3_TRY(cap);
+    return end;
 }
 
 /* Each request's B rows attend to its own context and block: one op call
@@ -152,6 +179,13 @@ static m3_status draft_markov(m3_drafter *d, int n) {
     const m3_backend_ops *op = r->eng->be->ops;
     m3_backend *be = r->eng->be;
     int B = d->cfg.block, V = d->cfg.vocab_size, R = d->cfg.markov_rank, G = r->max_reqs;
+    if (r->fused_markov) { /* one launch a row: the same bits as the ops below */
+        for (int j = 0; j < B; j++)
+            M3_TRY(op->draft_markov(be, n, &d->bw.markov_w1, &d->bw.markov_w2,
+                                    r->drafts + (size_t)j * G, r->logits + (size_t)j * V,
+                                    (int64_t)B * V, r->drafts + (size_t)(j + 1) * G));
+        return M3_OK;
+    }
     m3_linear w2 = {d->bw.markov_w2, {0}, 0, 0};
     for (int j = 0; j < B; j++) {
         const int32_t *prev = r->drafts + (size_t)j * G;

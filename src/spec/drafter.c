@@ -315,6 +315,24 @@ static m3_status set_taps_all(m3_engine *e, const int *layers, int n) {
     return first;
 }
 
+/* The Markov head's step as the backend's one op where it takes the
+ * weights (the same bits as its three ops), unless M3_DRAFT_MARKOV=ops
+ * asks for the three (tests and A/B runs compare them). */
+static m3_status pick_markov(m3_drafter *d, m3_backend *be) {
+    const char *env = getenv("M3_DRAFT_MARKOV");
+    if (env && *env && strcmp(env, "ops") && strcmp(env, "fused"))
+        return m3_fail(M3_ERR_INVALID_ARG, "M3_DRAFT_MARKOV=%s: expected ops or fused", env);
+    d->run.fused_markov = false;
+    if (!d->cfg.markov_rank || !be->ops->draft_markov || (env && !strcmp(env, "ops")))
+        return M3_OK;
+    m3_status st = be->ops->draft_markov(be, 0, &d->bw.markov_w1, &d->bw.markov_w2, NULL, NULL,
+                                         0, NULL);
+    if (st == M3_ERR_UNSUPPORTED)
+        return M3_OK; /* these weights: the three ops */
+    d->run.fused_markov = st == M3_OK;
+    return st;
+}
+
 m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
     if (d->run.front == e)
         return M3_OK;
@@ -348,6 +366,8 @@ m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e) {
         st = alloc_run(d, r0->be);
     if (!st)
         st = set_taps_all(e, d->cfg.taps, d->cfg.n_taps);
+    if (!st)
+        st = pick_markov(d, r0->be);
     if (st) {
         m3_drafter_detach(d);
         return st;
@@ -364,6 +384,9 @@ void m3_drafter_detach(m3_drafter *d) {
     for (int g = 0; g <= M3_MAX_DRAFT_REQS; g++)
         if (r->graph[g]) /* (they hold the buffers below) */
             be->ops->graph_free(be, r->graph[g]);
+    for (int n = 0; n <= M3_GRAPH_MAX_VERIFY_ROWS; n++)
+        if (r->ctx_graph[n])
+            be->ops->graph_free(be, r->ctx_graph[n]);
     free(r->host_slots);
     for (int i = 0; r->k_cache && i < 2 * d->cfg.attn.num_layers; i++)
         if (r->k_cache[i])

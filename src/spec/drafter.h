@@ -39,6 +39,7 @@ typedef struct m3_draft_weights {
 /* Most requests one draft step serves (SPEC §7: the drafter's kernels
  * cover up to 8 requests a launch). */
 #define M3_MAX_DRAFT_REQS 8
+_Static_assert(M3_MAX_DRAFT_REQS <= M3_MAX_MARKOV_REQS, "a draft step's Markov head is one call");
 
 /* Activations and caches in the bound engine's backend memory; R = the
  * engine's rows per step, G = max_reqs, requests of one draft step; a
@@ -58,7 +59,11 @@ typedef struct m3_draft_run {
     uint16_t **k_cache, **v_cache;   /* [layers] x [pages, Nkv, 128, D] */
     void *graph[M3_MAX_DRAFT_REQS + 1]; /* the draft step's CUDA graph per request
                                       * count (run_draft_step) */
-    int64_t replays;                 /* draft steps replayed from them */
+    void *ctx_graph[M3_GRAPH_MAX_VERIFY_ROWS + 1]; /* the context's graph per row count
+                                      * (m3_drafter_extend) */
+    int64_t replays;                 /* draft steps replayed from graph[] */
+    int64_t ctx_replays;             /* contexts replayed from ctx_graph[] */
+    bool fused_markov;               /* the Markov step is the backend's draft_markov */
     int64_t *host_slots;             /* [R] host: the kept rows' slots, -1 the others */
     int64_t *ctx_slots;              /* [R]: the same in backend memory */
     uint16_t *ctx_u, *ctx_h;         /* [R, H]: fc output, its norm */

@@ -11,6 +11,9 @@
  *    NaN only (token 0) and of -inf only; the row written back bitwise as
  *    the CPU's (a NaN as a NaN: its payload is the hardware's) and the
  *    same token, the token's word poisoned first.
+ * 2b. The draft_markov op (the Markov step in one launch) against the
+ *    three ops it replaces on the GPU: rows and tokens bit for bit, at
+ *    ranks of one K chunk and of four, ties, NaN rows.
  * 3. Whole runs on the tiny preset: speculative decoding on the GPU gives
  *    plain greedy decoding's tokens on the same GPU (both stock: a step with
  *    taps runs stock), for a random drafter and a windowed one; the GPU's
@@ -19,7 +22,8 @@
  *    (taps and all) gives the same tokens and draft logits, bit for bit,
  *    as the same run on an engine without graphs.
  * 4. A batch of three prompts decoded speculatively together, two a
- *    cycle: graphs (verify steps of two requests' rows replayed too)
+ *    cycle and all three (24-row verify steps): graphs (verify steps
+ *    replayed too)
  *    against eager bit for bit, each request's first draft step against
  *    the CPU's, each request's tokens against its plain run alone
  *    (reported); and plain batched generation of 20 prompts, more than a
@@ -237,17 +241,143 @@ static void test_argmax(void) {
     argmax_case(200064, false, 2);
 }
 
+/* A [V, R] bf16 weight at d on the GPU. */
+static m3_tensor markov_tensor(void *d, int V, int R) {
+    m3_tensor t = {M3_DT_BF16, 2, {V, R}, {(int64_t)R * 2, 2}, d, "markov"};
+    return t;
+}
+
+/* The draft_markov op (the Markov step in one launch) against the three
+ * ops it replaces on the same GPU (gather_rows, linear, draft_argmax per
+ * request): the rows bit for bit (gaps between them untouched) and the
+ * tokens, the token words poisoned first. kind 0: random; 1: a tie at the
+ * maximum (equal W2 rows and rows at several ids); 2: NaN and +-inf in
+ * the rows, one row NaN only (token 0). */
+static void markov_case(int V, int R, int n, int kind) {
+    const int64_t stride = V + 37; /* rows apart: the gaps must stay as they are */
+    uint16_t *w1 = rand_bf16((int64_t)V * R), *w2 = rand_bf16((int64_t)V * R);
+    float *rows = gpu_xmalloc((size_t)n * stride * 4);
+    int32_t prev[M3_MAX_MARKOV_REQS];
+    for (int64_t i = 0; i < n * stride; i++)
+        rows[i] = (float)(8.0 * rng_unit() - 4.0);
+    for (int g = 0; g < n; g++)
+        prev[g] = rng_below(V);
+    if (kind == 1)
+        for (int g = 0; g < n; g++) {
+            int v0 = rng_below(V);
+            for (int i = 0; i < 4 && V > 1; i++) {
+                int v = rng_below(V);
+                memcpy(w2 + (int64_t)v * R, w2 + (int64_t)v0 * R, (size_t)R * 2);
+                rows[g * stride + v] = 40.0f;
+            }
+            rows[g * stride + v0] = 40.0f;
+        }
+    if (kind == 2)
+        for (int g = 0; g < n; g++)
+            for (int i = 0; i < V / 50 + 2; i++)
+                rows[g * stride + rng_below(V)] =
+                    i % 3 == 0 ? NAN : i % 3 == 1 ? INFINITY : -INFINITY;
+    if (kind == 2)
+        for (int v = 0; v < V; v++)
+            rows[(n - 1) * stride + v] = NAN;
+    size_t wbytes = (size_t)V * R * 2, rbytes = (size_t)n * stride * 4;
+    void *d1 = up(w1, wbytes, 0), *d2 = up(w2, wbytes, 0), *dprev = up(prev, (size_t)n * 4, 0);
+    void *rows_ops = up(rows, rbytes, 0), *rows_one = up(rows, rbytes, 0);
+    void *tok_ops = up(NULL, (size_t)n * 4, GUARD), *tok_one = up(NULL, (size_t)n * 4, GUARD);
+    void *w1rows = up(NULL, (size_t)n * R * 2, 0), *bias = up(NULL, (size_t)n * V * 4, 0);
+    m3_tensor t1 = markov_tensor(d1, V, R), t2 = markov_tensor(d2, V, R);
+    m3_linear lin = {t2, {0}, 0, 0};
+    const m3_backend_ops *op = g_gpu->ops;
+    /* the three ops, as the drafter runs them without draft_markov */
+    m3_status st = op->gather_rows(g_gpu, n, dprev, R, d1, w1rows);
+    if (!st)
+        st = op->linear(g_gpu, n, w1rows, &lin, M3_DT_F32, bias);
+    for (int g = 0; !st && g < n; g++)
+        st = op->draft_argmax(g_gpu, V, (float *)rows_ops + g * stride, (float *)bias + (size_t)g * V,
+                              (int32_t *)tok_ops + g);
+    if (!st)
+        st = op->draft_markov(g_gpu, 0, &t1, &t2, NULL, NULL, 0, NULL);
+    if (!st)
+        st = op->draft_markov(g_gpu, n, &t1, &t2, dprev, rows_one, stride, tok_one);
+    if (!st)
+        st = op->sync(g_gpu);
+    char what[96];
+    snprintf(what, sizeof what, "vocab %d, rank %d, %d requests, kind %d", V, R, n, kind);
+    g_cases++;
+    if (st) {
+        printf("draft_markov %-44s FAIL: %s\n", what, m3_last_error());
+        g_fails++;
+    } else {
+        float *a = gpu_xmalloc(rbytes), *b = gpu_xmalloc(rbytes);
+        size_t tb = (size_t)n * 4 + GUARD;
+        unsigned char *ta = gpu_xmalloc(tb), *tbuf = gpu_xmalloc(tb);
+        if (op->download(g_gpu, a, rows_ops, rbytes) || op->download(g_gpu, b, rows_one, rbytes) ||
+            op->download(g_gpu, ta, tok_ops, tb) || op->download(g_gpu, tbuf, tok_one, tb))
+            exit(1);
+        bool same = true, gaps = true, guard = true, toks = true;
+        for (int64_t i = 0; i < n * stride; i++) {
+            bool nan = isnan(a[i]) && isnan(b[i]);
+            same &= nan || !memcmp(&a[i], &b[i], 4);
+            if (i % stride >= V) /* a gap: still the input's value */
+                gaps &= !memcmp(&b[i], &rows[i], 4);
+        }
+        const uint32_t w = POISON;
+        for (size_t i = (size_t)n * 4; i < tb; i++)
+            guard &= tbuf[i] == ((const unsigned char *)&w)[i % 4];
+        int32_t t_ops[M3_MAX_MARKOV_REQS], t_one[M3_MAX_MARKOV_REQS];
+        memcpy(t_ops, ta, (size_t)n * 4);
+        memcpy(t_one, tbuf, (size_t)n * 4);
+        for (int g = 0; g < n; g++)
+            toks &= t_ops[g] == t_one[g] && t_one[g] >= 0 && t_one[g] < V;
+        if (kind == 2)
+            toks &= t_one[n - 1] == 0;
+        bool pass = same && gaps && guard && toks;
+        printf("draft_markov %-44s tokens %s (first %d), rows %s: %s%s%s\n", what,
+               toks ? "the ops'" : "DIFFER", t_one[0], same ? "bitwise the ops'" : "DIFFER",
+               pass ? "PASS" : "FAIL", gaps ? "" : " (wrote between rows)",
+               guard ? "" : " (wrote past the tokens)");
+        g_fails += !pass;
+        free(a), free(b), free(ta), free(tbuf);
+    }
+    void *bufs[] = {d1, d2, dprev, rows_ops, rows_one, tok_ops, tok_one, w1rows, bias};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        op->release(g_gpu, bufs[i]);
+    free(w1), free(w2), free(rows);
+}
+
+static void test_markov(void) {
+    /* {1000, 64}: the linear op's split-K partials (8 chunks, fewer tiles
+     * than multiprocessors) */
+    static const int shapes[][2] = {{7, 8}, {4099, 256}, {12345, 64}, {3000, 1024}, {1000, 64}};
+    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
+        for (int kind = 0; kind < 3; kind++)
+            markov_case(shapes[i][0], shapes[i][1], 1 + (int)(i * 3 + kind) % 8, kind);
+    markov_case(200064, 256, 1, 0);
+    markov_case(200064, 256, 8, 1);
+    /* shapes the linear op's tensor cores do not take: refused, not run */
+    m3_tensor t = markov_tensor(NULL, 100, 12);
+    g_cases++;
+    m3_status st = g_gpu->ops->draft_markov(g_gpu, 0, &t, &t, NULL, NULL, 0, NULL);
+    bool pass = st == M3_ERR_UNSUPPORTED;
+    printf("draft_markov rank 12 (not a multiple of 8) refused: %s (%s)\n", pass ? "PASS" : "FAIL",
+           m3_last_error());
+    g_fails += !pass;
+}
+
 /* ------------------------------------------------------------ whole runs */
 
 #define N_PROMPT 300
 #define N_GEN 24
 
-static m3_engine *engine_seqs(m3_model *m, m3_device dev, bool graphs, int max_seqs) {
+/* max_rows 0: 64 for one sequence, else 16 (a batch: two requests' 8 rows
+ * a verify step) */
+static m3_engine *engine_rows(m3_model *m, m3_device dev, bool graphs, int max_seqs,
+                              int max_rows) {
     m3_engine_opts o = m3_engine_defaults();
     o.device = dev;
     o.graphs = graphs;
     o.threads = 4;
-    o.max_rows = max_seqs > 1 ? 16 : 64; /* a batch: two requests' 8 rows a verify step */
+    o.max_rows = max_rows ? max_rows : max_seqs > 1 ? 16 : 64;
     o.max_seqs = max_seqs;
     o.max_tokens = (int64_t)max_seqs * (N_PROMPT + N_GEN + 128);
     o.decode = M3_DECODE_STOCK;
@@ -255,6 +385,10 @@ static m3_engine *engine_seqs(m3_model *m, m3_device dev, bool graphs, int max_s
     if (m3_engine_create(m, &o, &e))
         fprintf(stderr, "engine: %s\n", m3_last_error());
     return e;
+}
+
+static m3_engine *engine_seqs(m3_model *m, m3_device dev, bool graphs, int max_seqs) {
+    return engine_rows(m, dev, graphs, max_seqs, 0);
 }
 
 static m3_engine *engine(m3_model *m, m3_device dev, bool graphs) {
@@ -311,6 +445,22 @@ static void run_case(const char *what, m3_model *m, const char *draft_dir) {
     int64_t replays = eg ? m3_engine_get_stats(eg).graph_replays - replays0 : 0;
     printf("%s, GPU without graphs:\n", what);
     float *el = ok ? spec_run(ee, d, prompt, eager_tok, &es, &eager_draft_replays) : NULL;
+    /* the Markov head as three ops a row instead of draft_markov: the same
+     * bits */
+    printf("%s, GPU, the Markov head's ops (M3_DRAFT_MARKOV=ops):\n", what);
+    int32_t ops_tok[N_GEN];
+    int os = 0;
+    int64_t ops_replays = 0;
+    setenv("M3_DRAFT_MARKOV", "ops", 1);
+    float *ol = ok ? spec_run(eg, d, prompt, ops_tok, &os, &ops_replays) : NULL;
+    unsetenv("M3_DRAFT_MARKOV");
+    bool ops_same = gl && ol && os == gs && !memcmp(ops_tok, gpu_tok, sizeof gpu_tok) &&
+                    !memcmp(ol, gl, (size_t)gs * B * V * sizeof *gl);
+    printf("%s: draft_markov vs its three ops: tokens and draft logits %s: %s\n", what,
+           ops_same ? "bit-identical" : "DIFFER", ops_same ? "PASS" : "FAIL");
+    g_cases++;
+    g_fails += !ops_same;
+    free(ol);
     printf("%s, CPU:\n", what);
     float *cl = ok ? spec_run(ec, d, prompt, cpu_tok, &cs, &cpu_draft_replays) : NULL;
     ok = ok && gl && cl && el;
@@ -393,7 +543,9 @@ static bool batch_spec(m3_engine *e, m3_drafter *d, const int32_t *const *prompt
  * batch within bf16 noise; and each request's tokens against its plain
  * greedy run alone on the GPU (equal unless a near tie flips where the
  * stock path's rows depend on the batch: reported, not failed). */
-static void batch_case(const char *what, m3_model *m, const char *draft_dir) {
+/* max_rows 16: two requests a cycle (a 16-row verify step); 32: all three
+ * (24 rows, a verify bucket above the decode steps' 16) */
+static void batch_case(const char *what, m3_model *m, const char *draft_dir, int max_rows) {
     m3_drafter *d = NULL;
     g_cases += 2;
     if (m3_drafter_load(draft_dir, m, NULL, &d)) {
@@ -411,9 +563,9 @@ static void batch_case(const char *what, m3_model *m, const char *draft_dir) {
             buf[r][i] = (int32_t)((i * 41 + 3 + 7 * r) % V);
         prompts[r] = buf[r];
     }
-    m3_engine *eg = engine_seqs(m, M3_DEVICE_CUDA, true, N_BATCH);
-    m3_engine *ee = engine_seqs(m, M3_DEVICE_CUDA, false, N_BATCH);
-    m3_engine *ec = engine_seqs(m, M3_DEVICE_CPU, false, N_BATCH);
+    m3_engine *eg = engine_rows(m, M3_DEVICE_CUDA, true, N_BATCH, max_rows);
+    m3_engine *ee = engine_rows(m, M3_DEVICE_CUDA, false, N_BATCH, max_rows);
+    m3_engine *ec = engine_rows(m, M3_DEVICE_CPU, false, N_BATCH, max_rows);
     batch_run g = {0}, e = {0}, c = {0};
     printf("%s, GPU:\n", what);
     bool ok = batch_spec(eg, d, prompts, lens, &g);
@@ -540,6 +692,7 @@ int main(void) {
     printf("test_cuda_draft: seed %llu (set M3_TEST_SEED to vary)\n", (unsigned long long)g_rng);
     test_op();
     test_argmax();
+    test_markov();
 
     char tdir[512], ddir[600];
     m3_config cfg;
@@ -556,7 +709,8 @@ int main(void) {
         return 1;
     }
     run_case("random drafter", m, ddir);
-    batch_case("random drafter, a batch of 3", m, ddir);
+    batch_case("random drafter, a batch of 3, two a cycle", m, ddir, 16);
+    batch_case("random drafter, a batch of 3, all in one cycle", m, ddir, 32);
     plain_batch_case(m);
     snprintf(ddir, sizeof ddir, "%s/draft_window", tdir);
     dopt.window = 16;
