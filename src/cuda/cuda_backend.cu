@@ -50,6 +50,14 @@ extern "C" m3_status m3_cuda_workspace(m3_cuda *cu, int slot, size_t bytes, void
     return M3_OK;
 }
 
+extern "C" m3_status m3_cuda_workspace_zeroed(m3_cuda *cu, int slot, size_t bytes, void **out) {
+    void *before = cu->ws[slot];
+    M3_TRY(m3_cuda_workspace(cu, slot, bytes, out));
+    if (*out != before) /* a new buffer (never during a capture: it would not grow) */
+        M3_CUDA_TRY(cudaMemsetAsync(*out, 0, cu->ws_bytes[slot], cu->stream));
+    return M3_OK;
+}
+
 extern "C" m3_status m3_cuda_workspace_parts(m3_cuda *cu, int slot, const size_t *sizes, int n,
                                              void **parts) {
     size_t total = 0;

@@ -36,7 +36,8 @@ extern "C" {
 enum m3_cuda_workspace_slot {
     M3_CUDA_WS_ATTENTION = 0, /* split-K partials of attention */
     M3_CUDA_WS_MOE,           /* router logits, routing, expert activations */
-    M3_CUDA_WS_LINEAR,        /* dequantised MXFP8 weights for large row counts */
+    M3_CUDA_WS_LINEAR,        /* the decode linear's chunk partials; split-K partials */
+    M3_CUDA_WS_LINEAR_COUNT,  /* the decode linear's arrivals per tile: zero between launches */
     M3_CUDA_WS_SAMPLE,        /* sampling partials */
     M3_CUDA_WS_MISC,
     M3_CUDA_WS_COMM,          /* TP: the ranks' gathered values, summed over ranks */
@@ -93,6 +94,9 @@ m3_status m3_cuda_stream_wait(m3_cuda *cu);
  * capture; while capturing a growth is an error (a warm-up step must have
  * sized it). */
 m3_status m3_cuda_workspace(m3_cuda *cu, int slot, size_t bytes, void **out);
+/* The same, the bytes zero when first handed out (kernels that count in
+ * it leave it zero again). */
+m3_status m3_cuda_workspace_zeroed(m3_cuda *cu, int slot, size_t bytes, void **out);
 /* Workspace `slot` cut into n parts: parts[i] of sizes[i] bytes, each part
  * 256-byte aligned (an op's several scratch arrays in one buffer). */
 m3_status m3_cuda_workspace_parts(m3_cuda *cu, int slot, const size_t *sizes, int n,

@@ -17,7 +17,7 @@
 
 /* The decode linear on tensor cores. A warp owns one 16-row tile of the
  * weight and one of its K chunks (cuda_ksum.cuh): a CTA is the n_chunks
- * warps of one tile, or (OUT == LMMA_PART) one warp. A warp walks its
+ * warps of one tile, or (SPLIT) one warp. A warp walks its
  * chunk in pieces of 32 columns, each lane loading 8 consecutive columns
  * of rows g and g + 8 (g = lane / 4) and the same 8 columns of x's row g
  * of each 8-row tile, and feeds them to two bf16 m16n8k16 MMAs as their
@@ -42,9 +42,6 @@
  * depend on it. */
 #define LMMA_DEEP(NT) ((NT) == 1 ? 6 : 4)
 #define LMMA_MIN_CTAS(NT, U) ((U) == 3 && (NT) == 1 ? 2 : 1)
-/* Outputs: bf16, fp32, or (a CTA per tile and chunk) the chunk's fp32
- * partial, which linear_splitk_finish_kernel combines as the same tree. */
-enum { LMMA_BF16, LMMA_F32, LMMA_PART };
 
 template <int NT, bool FP8, int U>
 struct lmma_stage {
@@ -71,14 +68,21 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-template <int NT, bool FP8, int U, int OUT>
+/* SPLIT: a one-warp CTA per (tile, chunk blockIdx.y); it stores its
+ * chunk's fp32 partial in part_g [chunks, rows, N] and counts itself in
+ * count[tile]; the tile's last CTA to arrive combines the partials as the
+ * tree, writes out and sets the count back to zero (so the next launch,
+ * or a graph's replay, finds it zero). Else the CTA's warps are the
+ * tile's chunks, combined in shared memory. */
+template <int NT, bool FP8, int U, bool SPLIT, bool OUT_F32>
 __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
     linear_mma_kernel(gemv_weight W, const uint16_t *__restrict__ x, int rows, int K, int64_t N,
-                      int n_chunks, void *__restrict__ out) {
-    __shared__ float part[OUT == LMMA_PART ? 1 : LMMA_MAX_NC][NT * 4][32];
+                      int n_chunks, void *__restrict__ out, float *__restrict__ part_g,
+                      int *__restrict__ count) {
+    __shared__ float part[SPLIT ? 1 : LMMA_MAX_NC][NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int64_t n0 = (int64_t)blockIdx.x * 16;
-    const int chunk = OUT == LMMA_PART ? (int)blockIdx.y : warp;
+    const int chunk = SPLIT ? (int)blockIdx.y : warp;
     int k0, k1;
     ksum_bounds(K, n_chunks, chunk, &k0, &k1);
     const int pieces = (k1 - k0 + 31) / 32, stages = (pieces + U - 1) / U;
@@ -154,16 +158,46 @@ __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
         compute(s1, st + 1);
     }
 
-    if constexpr (OUT == LMMA_PART) { /* chunk blockIdx.y's partial [chunks, rows, N] */
+    /* this lane's outputs: rows n0 + g (+ 8), x rows 8 j + 2 q (+ 1) */
+    auto store = [&](int j, int i, float v) {
+        const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
+        const int64_t o = (int64_t)(j * 8 + 2 * q + (i & 1)) * N + n;
+        if (OUT_F32)
+            static_cast<float *>(out)[o] = v;
+        else
+            static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
+    };
+    auto live = [&](int j, int i) {
+        return n0 + g + (i >= 2 ? 8 : 0) < N && j * 8 + 2 * q + (i & 1) < rows;
+    };
+    auto at = [&](int c, int j, int i) { /* element of part_g */
+        return ((int64_t)c * rows + j * 8 + 2 * q + (i & 1)) * N + n0 + g + (i >= 2 ? 8 : 0);
+    };
+    if constexpr (SPLIT) {
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
-                const int t = j * 8 + 2 * q + (i & 1);
-                if (n < N && t < rows)
-                    static_cast<float *>(out)[((int64_t)chunk * rows + t) * N + n] = acc[j][i];
-            }
+            for (int i = 0; i < 4; i++)
+                if (live(j, i))
+                    part_g[at(chunk, j, i)] = acc[j][i];
+        __threadfence(); /* the partial is visible before the arrival is */
+        __syncwarp();    /* every lane's partial, before lane 0 arrives */
+        int last = 0;
+        if (lane == 0)
+            last = atomicAdd(&count[blockIdx.x], 1) == n_chunks - 1;
+        if (!__shfl_sync(0xffffffffu, last, 0))
+            return;
+        __threadfence(); /* the others' partials, seen after their arrivals */
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (live(j, i))
+                    store(j, i, ksum_tree<float>(n_chunks, [&](int c) {
+                              return __ldcg(part_g + at(c, j, i)); /* L2: not a stale L1 */
+                          }));
+        if (lane == 0)
+            count[blockIdx.x] = 0;
     } else { /* the CTA's chunks combined by warp 0 */
 #pragma unroll
         for (int j = 0; j < NT; j++)
@@ -176,19 +210,10 @@ __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int64_t n = n0 + g + (i >= 2 ? 8 : 0);
-                const int t = j * 8 + 2 * q + (i & 1);
-                if (n >= N || t >= rows)
-                    continue;
-                const float v =
-                    ksum_tree<float>(n_chunks, [&](int c) { return part[c][j * 4 + i][lane]; });
-                const int64_t o = (int64_t)t * N + n;
-                if (OUT == LMMA_F32)
-                    static_cast<float *>(out)[o] = v;
-                else
-                    static_cast<uint16_t *>(out)[o] = m3_to_bf(v);
-            }
+            for (int i = 0; i < 4; i++)
+                if (live(j, i))
+                    store(j, i, ksum_tree<float>(n_chunks,
+                                                 [&](int c) { return part[c][j * 4 + i][lane]; }));
     }
 }
 
@@ -237,38 +262,42 @@ static int k_splits(const m3_cuda *cu, int64_t n_tiles, int K) {
 /* Launch the tensor-core linear. A CTA per 16-row tile, a warp per chunk
  * (deep stages when that is one or two warps), where the tiles fill the
  * multiprocessors; else (a narrow weight: the index and KV projections,
- * the shared expert's gate/up) a one-warp CTA per tile and chunk, its fp32
- * partial combined by the finish kernel as the same tree. */
-template <int NT, bool FP8>
-static m3_status launch_mma(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows, int K,
-                            int64_t N, int n_chunks, bool out_f32, void *out) {
+ * the shared expert's gate/up) a one-warp CTA per tile and chunk, the
+ * tile's last CTA combining the chunks as the same tree (no second
+ * launch: in a graph that was a dependent node per narrow weight). */
+template <int NT, bool FP8, bool OUT_F32>
+static m3_status launch_mma_out(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
+                                int K, int64_t N, int n_chunks, void *out) {
     constexpr int D = LMMA_DEEP(NT);
     const int64_t tiles = (N + 15) / 16;
     if (tiles < cu->sm_count && n_chunks > 1) {
         float *part = NULL;
+        int *count = NULL;
         M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)n_chunks * rows * N * 4,
                                  (void **)&part));
-        linear_mma_kernel<NT, FP8, D, LMMA_PART>
-            <<<dim3((unsigned)tiles, (unsigned)n_chunks), 32, 0, cu->stream>>>(W, x, rows, K, N,
-                                                                              n_chunks, part);
-        M3_CUDA_LAUNCHED("linear_mma_kernel");
-        return finish_splitk(cu, part, n_chunks, (int64_t)rows * N, true, out_f32, out);
+        M3_TRY(m3_cuda_workspace_zeroed(cu, M3_CUDA_WS_LINEAR_COUNT, (size_t)tiles * 4,
+                                        (void **)&count));
+        linear_mma_kernel<NT, FP8, D, true, OUT_F32>
+            <<<dim3((unsigned)tiles, (unsigned)n_chunks), 32, 0, cu->stream>>>(
+                W, x, rows, K, N, n_chunks, out, part, count);
+    } else if (n_chunks <= 2) {
+        linear_mma_kernel<NT, FP8, D, false, OUT_F32>
+            <<<(unsigned)tiles, 32 * n_chunks, 0, cu->stream>>>(W, x, rows, K, N, n_chunks, out,
+                                                                nullptr, nullptr);
+    } else {
+        linear_mma_kernel<NT, FP8, 3, false, OUT_F32>
+            <<<(unsigned)tiles, 32 * n_chunks, 0, cu->stream>>>(W, x, rows, K, N, n_chunks, out,
+                                                                nullptr, nullptr);
     }
-    dim3 grid((unsigned)tiles), block(32 * n_chunks);
-    if (n_chunks <= 2 && out_f32)
-        linear_mma_kernel<NT, FP8, D, LMMA_F32><<<grid, block, 0, cu->stream>>>(W, x, rows, K, N,
-                                                                               n_chunks, out);
-    else if (n_chunks <= 2)
-        linear_mma_kernel<NT, FP8, D, LMMA_BF16><<<grid, block, 0, cu->stream>>>(
-            W, x, rows, K, N, n_chunks, out);
-    else if (out_f32)
-        linear_mma_kernel<NT, FP8, 3, LMMA_F32><<<grid, block, 0, cu->stream>>>(W, x, rows, K, N,
-                                                                               n_chunks, out);
-    else
-        linear_mma_kernel<NT, FP8, 3, LMMA_BF16><<<grid, block, 0, cu->stream>>>(
-            W, x, rows, K, N, n_chunks, out);
     M3_CUDA_LAUNCHED("linear_mma_kernel");
     return M3_OK;
+}
+
+template <int NT, bool FP8>
+static m3_status launch_mma(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows, int K,
+                            int64_t N, int n_chunks, bool out_f32, void *out) {
+    return out_f32 ? launch_mma_out<NT, FP8, true>(cu, W, x, rows, K, N, n_chunks, out)
+                   : launch_mma_out<NT, FP8, false>(cu, W, x, rows, K, N, n_chunks, out);
 }
 
 /* One thread per output: any K, any alignment; the same chunk tree. */
