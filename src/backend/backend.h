@@ -117,6 +117,12 @@ typedef struct m3_backend_ops {
     m3_status (*linear)(m3_backend *be, int rows, const uint16_t *x, const m3_linear *w,
                         m3_dtype out_dtype, void *out);
 
+    /* n linears of the same x (2 <= n <= 6): out[i] exactly as linear(w[i])
+     * gives it, in one pass where the backend can (a layer's projections;
+     * gate and up). NULL: m3_linear_group runs linear n times. */
+    m3_status (*linear_group)(m3_backend *be, int rows, const uint16_t *x, int n,
+                              const m3_linear *const *w, m3_dtype out_dtype, void *const *out);
+
     /* Per head of x [rows, heads, dim] (row stride row_stride elements):
      * gemma norm with the shared w [dim], then NeoX RoPE at positions[t] on
      * the first rotary_dim dims; rounded to bf16 once. */
@@ -227,6 +233,20 @@ struct m3_backend {
      * each head's keys as TP 1 does (the same bits). 0: the op's own. */
     int full_q_heads, full_kv_heads;
 };
+
+/* The ops' linear_group, or linear n times where a backend has none. */
+static inline m3_status m3_linear_group(m3_backend *be, int rows, const uint16_t *x, int n,
+                                        const m3_linear *const *w, m3_dtype out_dtype,
+                                        void *const *out) {
+    if (be->ops->linear_group)
+        return be->ops->linear_group(be, rows, x, n, w, out_dtype, out);
+    for (int i = 0; i < n; i++) {
+        m3_status st = be->ops->linear(be, rows, x, w[i], out_dtype, out[i]);
+        if (st)
+            return st;
+    }
+    return M3_OK;
+}
 
 /* The CPU backend with n_threads workers (0: all cores). */
 m3_status m3_cpu_backend_create(int n_threads, m3_backend **out);

@@ -352,6 +352,7 @@ static const m3_backend_ops cuda_ops = {
     .add_rows = m3_cuda_add_rows,
     .add_rmsnorm = m3_cuda_add_rmsnorm,
     .linear = m3_cuda_linear,
+    .linear_group = m3_cuda_linear_group,
     .head_norm_rope = m3_cuda_head_norm_rope,
     .cache_write = m3_cuda_cache_write,
     .index_scores = m3_cuda_index_scores,

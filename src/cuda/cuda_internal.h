@@ -155,6 +155,8 @@ m3_status m3_cuda_draft_argmax(m3_backend *be, int vocab, float *row, const floa
 /* cuda_linear.cu */
 m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x, const m3_linear *w,
                          m3_dtype out_dtype, void *out);
+m3_status m3_cuda_linear_group(m3_backend *be, int rows, const uint16_t *x, int n,
+                               const m3_linear *const *w, m3_dtype out_dtype, void *const *out);
 /* The same product through cuBLAS (bf16 weights only): what the decode
  * GEMV is measured against (m3 bench linear). */
 m3_status m3_cuda_linear_cublas(m3_cuda *cu, int rows, const uint16_t *x, const m3_linear *w,

@@ -68,6 +68,19 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+/* The weights of one launch: several linears of the same x (a layer's q,
+ * k, v and index projections; gate and up) as one grid of tiles, weight i
+ * owning tiles [tile_end[i - 1], tile_end[i]). Each output is the bits
+ * its linear alone gives: a tile's sums never depend on its neighbours. */
+#define LMMA_GROUP_MAX 6
+struct lmma_set {
+    gemv_weight W[LMMA_GROUP_MAX];
+    int64_t N[LMMA_GROUP_MAX];
+    void *out[LMMA_GROUP_MAX];
+    int64_t tile_end[LMMA_GROUP_MAX];
+    int n;
+};
+
 /* SPLIT: a one-warp CTA per (tile, chunk blockIdx.y); it stores its
  * chunk's fp32 partial in part_g [chunks, rows, N] and counts itself in
  * count[tile]; the tile's last CTA to arrive combines the partials as the
@@ -76,12 +89,18 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
  * tile's chunks, combined in shared memory. */
 template <int NT, bool FP8, int U, bool SPLIT, bool OUT_F32>
 __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
-    linear_mma_kernel(gemv_weight W, const uint16_t *__restrict__ x, int rows, int K, int64_t N,
-                      int n_chunks, void *__restrict__ out, float *__restrict__ part_g,
+    linear_mma_kernel(const __grid_constant__ lmma_set set, const uint16_t *__restrict__ x,
+                      int rows, int K, int n_chunks, float *__restrict__ part_g,
                       int *__restrict__ count) {
     __shared__ float part[SPLIT ? 1 : LMMA_MAX_NC][NT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int64_t n0 = (int64_t)blockIdx.x * 16;
+    int wi = 0; /* this CTA's weight */
+    while (wi + 1 < set.n && (int64_t)blockIdx.x >= set.tile_end[wi])
+        wi++;
+    const gemv_weight W = set.W[wi];
+    const int64_t N = set.N[wi];
+    void *const out = set.out[wi];
+    const int64_t n0 = ((int64_t)blockIdx.x - (wi ? set.tile_end[wi - 1] : 0)) * 16;
     const int chunk = SPLIT ? (int)blockIdx.y : warp;
     int k0, k1;
     ksum_bounds(K, n_chunks, chunk, &k0, &k1);
@@ -266,11 +285,11 @@ static int k_splits(const m3_cuda *cu, int64_t n_tiles, int K) {
  * tile's last CTA combining the chunks as the same tree (no second
  * launch: in a graph that was a dependent node per narrow weight). */
 template <int NT, bool FP8, bool OUT_F32>
-static m3_status launch_mma_out(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
-                                int K, int64_t N, int n_chunks, void *out) {
+static m3_status launch_mma_out(m3_cuda *cu, const lmma_set &set, const uint16_t *x, int rows,
+                                int K, int n_chunks) {
     constexpr int D = LMMA_DEEP(NT);
-    const int64_t tiles = (N + 15) / 16;
-    if (tiles < cu->sm_count && n_chunks > 1) {
+    const int64_t tiles = set.tile_end[set.n - 1], N = set.N[0];
+    if (tiles < cu->sm_count && n_chunks > 1) { /* (one weight: m3_cuda_linear_group asks) */
         float *part = NULL;
         int *count = NULL;
         M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_LINEAR, (size_t)n_chunks * rows * N * 4,
@@ -279,14 +298,14 @@ static m3_status launch_mma_out(m3_cuda *cu, const gemv_weight &W, const uint16_
                                         (void **)&count));
         linear_mma_kernel<NT, FP8, D, true, OUT_F32>
             <<<dim3((unsigned)tiles, (unsigned)n_chunks), 32, 0, cu->stream>>>(
-                W, x, rows, K, N, n_chunks, out, part, count);
+                set, x, rows, K, n_chunks, part, count);
     } else if (n_chunks <= 2) {
         linear_mma_kernel<NT, FP8, D, false, OUT_F32>
-            <<<(unsigned)tiles, 32 * n_chunks, 0, cu->stream>>>(W, x, rows, K, N, n_chunks, out,
+            <<<(unsigned)tiles, 32 * n_chunks, 0, cu->stream>>>(set, x, rows, K, n_chunks,
                                                                 nullptr, nullptr);
     } else {
         linear_mma_kernel<NT, FP8, 3, false, OUT_F32>
-            <<<(unsigned)tiles, 32 * n_chunks, 0, cu->stream>>>(W, x, rows, K, N, n_chunks, out,
+            <<<(unsigned)tiles, 32 * n_chunks, 0, cu->stream>>>(set, x, rows, K, n_chunks,
                                                                 nullptr, nullptr);
     }
     M3_CUDA_LAUNCHED("linear_mma_kernel");
@@ -294,10 +313,10 @@ static m3_status launch_mma_out(m3_cuda *cu, const gemv_weight &W, const uint16_
 }
 
 template <int NT, bool FP8>
-static m3_status launch_mma(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows, int K,
-                            int64_t N, int n_chunks, bool out_f32, void *out) {
-    return out_f32 ? launch_mma_out<NT, FP8, true>(cu, W, x, rows, K, N, n_chunks, out)
-                   : launch_mma_out<NT, FP8, false>(cu, W, x, rows, K, N, n_chunks, out);
+static m3_status launch_mma(m3_cuda *cu, const lmma_set &set, const uint16_t *x, int rows, int K,
+                            int n_chunks, bool out_f32) {
+    return out_f32 ? launch_mma_out<NT, FP8, true>(cu, set, x, rows, K, n_chunks)
+                   : launch_mma_out<NT, FP8, false>(cu, set, x, rows, K, n_chunks);
 }
 
 /* One thread per output: any K, any alignment; the same chunk tree. */
@@ -328,14 +347,21 @@ __global__ void linear_scalar_kernel(gemv_weight W, bool fp8, const uint16_t *x,
 
 /* 1-8 rows: one 8-column MMA tile; 9-16: two. A row's sums are the same
  * in both (see linear_mma_kernel). */
-template <bool FP8>
-static m3_status launch_gemv(m3_cuda *cu, const gemv_weight &W, const uint16_t *x, int rows,
-                             int K, int64_t N, int n_chunks, bool out_f32, void *out) {
+static m3_status launch_set(m3_cuda *cu, const lmma_set &set, bool fp8, const uint16_t *x,
+                            int rows, int K, int n_chunks, bool out_f32) {
     if (n_chunks < 1 || n_chunks > LMMA_MAX_NC)
         return m3_fail(M3_ERR_INTERNAL, "linear: %d K chunks (1..%d)", n_chunks, LMMA_MAX_NC);
-    if (rows <= 8)
-        return launch_mma<1, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out);
-    return launch_mma<2, FP8>(cu, W, x, rows, K, N, n_chunks, out_f32, out);
+    if (fp8)
+        return rows <= 8 ? launch_mma<1, true>(cu, set, x, rows, K, n_chunks, out_f32)
+                         : launch_mma<2, true>(cu, set, x, rows, K, n_chunks, out_f32);
+    return rows <= 8 ? launch_mma<1, false>(cu, set, x, rows, K, n_chunks, out_f32)
+                     : launch_mma<2, false>(cu, set, x, rows, K, n_chunks, out_f32);
+}
+
+static gemv_weight gemv_weight_of(const m3_linear *w) {
+    bool fp8 = w->w.dtype == M3_DT_F8_E4M3;
+    return {static_cast<const uint8_t *>(w->w.data), w->w.nb[0],
+            static_cast<const uint8_t *>(w->scale.data), fp8 ? w->scale.nb[0] : 0};
 }
 
 /* A row-parallel weight's chunks when cuBLAS can take them (whole chunks
@@ -429,8 +455,7 @@ static m3_status gemv_dispatch(m3_cuda *cu, int rows, const uint16_t *x, const m
                                bool out_f32, void *out) {
     int64_t N = w->w.ne[0], K = w->w.ne[1];
     bool fp8 = w->w.dtype == M3_DT_F8_E4M3;
-    gemv_weight W = {static_cast<const uint8_t *>(w->w.data), w->w.nb[0],
-                     static_cast<const uint8_t *>(w->scale.data), fp8 ? w->scale.nb[0] : 0};
+    gemv_weight W = gemv_weight_of(w);
     if (!vector_ok(w, x, K)) {
         int64_t total = (int64_t)rows * N;
         unsigned grid = (unsigned)((total + 255) / 256);
@@ -439,9 +464,13 @@ static m3_status gemv_dispatch(m3_cuda *cu, int rows, const uint16_t *x, const m
         M3_CUDA_LAUNCHED("linear_scalar_kernel");
         return M3_OK;
     }
-    if (fp8)
-        return launch_gemv<true>(cu, W, x, rows, (int)K, N, m3_cuda_k_chunks(w), out_f32, out);
-    return launch_gemv<false>(cu, W, x, rows, (int)K, N, m3_cuda_k_chunks(w), out_f32, out);
+    lmma_set set = {};
+    set.W[0] = W;
+    set.N[0] = N;
+    set.out[0] = out;
+    set.tile_end[0] = (N + 15) / 16;
+    set.n = 1;
+    return launch_set(cu, set, fp8, x, rows, (int)K, m3_cuda_k_chunks(w), out_f32);
 }
 
 extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
@@ -471,6 +500,37 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
                              static_cast<char *>(out) + (size_t)r0 * N * out_size));
     }
     return M3_OK;
+}
+
+/* Several linears of the same x in one launch where they are alike
+ * (dtype, K and its chunks, the vector path, 1-16 rows) and together fill
+ * the multiprocessors; else one linear each. The same bits either way. */
+extern "C" m3_status m3_cuda_linear_group(m3_backend *be, int rows, const uint16_t *x, int n,
+                                          const m3_linear *const *w, m3_dtype out_dtype,
+                                          void *const *out) {
+    m3_cuda *cu = m3_cuda_of(be);
+    bool one = rows >= 1 && rows <= GEMV_MAX_T && n >= 2 && n <= LMMA_GROUP_MAX;
+    lmma_set set = {};
+    int64_t tiles = 0, K = one ? w[0]->w.ne[1] : 0;
+    for (int i = 0; one && i < n; i++) {
+        const m3_linear *l = w[i];
+        one = l->w.dtype == w[0]->w.dtype &&
+              (l->w.dtype == M3_DT_BF16 || l->w.dtype == M3_DT_F8_E4M3) && l->w.ne[1] == K &&
+              m3_cuda_k_chunks(l) == m3_cuda_k_chunks(w[0]) && vector_ok(l, x, K);
+        set.W[i] = gemv_weight_of(l);
+        set.N[i] = l->w.ne[0];
+        set.out[i] = out[i];
+        tiles += (l->w.ne[0] + 15) / 16;
+        set.tile_end[i] = tiles;
+    }
+    set.n = n;
+    if (!one || tiles < cu->sm_count || tiles > INT32_MAX) {
+        for (int i = 0; i < n; i++)
+            M3_TRY(m3_cuda_linear(be, rows, x, w[i], out_dtype, out[i]));
+        return M3_OK;
+    }
+    return launch_set(cu, set, w[0]->w.dtype == M3_DT_F8_E4M3, x, rows, (int)K,
+                      m3_cuda_k_chunks(w[0]), out_dtype == M3_DT_F32);
 }
 
 /* ------------------------------------------------------------ fp32 weights */

@@ -45,10 +45,12 @@ m3_status m3_stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) 
     /* 1. residual = hidden + residual (layer 0: the embedding), x = norm */
     M3_TRY(op->add_rmsnorm(be, T, H, first ? NULL : s->hidden, s->residual, &lw->input_norm,
                            c->rms_norm_eps, s->x));
-    /* 2-3. q, k, v; per-head norm + RoPE (one rounding) */
-    M3_TRY(op->linear(be, T, s->x, &lw->q_proj, M3_DT_BF16, s->q));
-    M3_TRY(op->linear(be, T, s->x, &lw->k_proj, M3_DT_BF16, s->k));
-    M3_TRY(op->linear(be, T, s->x, &lw->v_proj, M3_DT_BF16, s->v));
+    /* 2-3. q, k, v (and a sparse layer's index query and key: one pass
+     * where the backend can); per-head norm + RoPE (one rounding) */
+    const m3_linear *proj[5] = {&lw->q_proj, &lw->k_proj, &lw->v_proj, &lw->iq_proj,
+                                &lw->ik_proj};
+    void *proj_out[5] = {s->q, s->k, s->v, s->iq, s->ik};
+    M3_TRY(m3_linear_group(be, T, s->x, lw->sparse ? 5 : 3, proj, M3_DT_BF16, proj_out));
     M3_TRY(op->head_norm_rope(be, T, Nq, D, s->q, (int64_t)Nq * D, &lw->q_norm, c->rms_norm_eps,
                               st->dev.positions, &rope));
     M3_TRY(op->head_norm_rope(be, T, Nkv, D, s->k, (int64_t)Nkv * D, &lw->k_norm,
@@ -59,9 +61,8 @@ m3_status m3_stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) 
 
     const int32_t *selected = NULL;
     if (lw->sparse) {
-        /* SPEC §3: index queries/key, block scores, per-head selection */
-        M3_TRY(op->linear(be, T, s->x, &lw->iq_proj, M3_DT_BF16, s->iq));
-        M3_TRY(op->linear(be, T, s->x, &lw->ik_proj, M3_DT_BF16, s->ik));
+        /* SPEC §3: index queries/key (projected above), block scores,
+         * per-head selection */
         M3_TRY(op->head_norm_rope(be, T, Ni, Di, s->iq, (int64_t)Ni * Di, &lw->iq_norm,
                                   c->rms_norm_eps, st->dev.positions, &rope));
         M3_TRY(op->head_norm_rope(be, T, 1, Di, s->ik, Di, &lw->ik_norm, c->rms_norm_eps,
@@ -98,8 +99,9 @@ m3_status m3_stock_layer(m3_engine *eng, const m3_step *st, int li, bool first) 
                             tp ? eng->comm : NULL};
         return op->moe(be, T, s->x, lw, &mp, s->hidden);
     }
-    M3_TRY(op->linear(be, T, s->x, &lw->mlp_gate, M3_DT_BF16, s->gate));
-    M3_TRY(op->linear(be, T, s->x, &lw->mlp_up, M3_DT_BF16, s->up));
+    const m3_linear *gate_up[2] = {&lw->mlp_gate, &lw->mlp_up};
+    void *gate_up_out[2] = {s->gate, s->up};
+    M3_TRY(m3_linear_group(be, T, s->x, 2, gate_up, M3_DT_BF16, gate_up_out));
     M3_TRY(op->swiglu(be, (int64_t)T * c->dense_dim, s->gate, s->up, &act, s->act));
     if (!tp)
         return op->linear(be, T, s->act, &lw->mlp_down, M3_DT_BF16, s->hidden);

@@ -58,8 +58,9 @@ static m3_status context_ops(m3_drafter *d, int rows, const int64_t *slots) {
                            r->ctx_h));
     for (int i = 0; i < a->num_layers; i++) {
         const m3_draft_layer *L = &d->bw.layers[i];
-        M3_TRY(op->linear(be, rows, r->ctx_h, &L->k_proj, M3_DT_BF16, r->ctx_k));
-        M3_TRY(op->linear(be, rows, r->ctx_h, &L->v_proj, M3_DT_BF16, r->ctx_v));
+        const m3_linear *kv[2] = {&L->k_proj, &L->v_proj};
+        void *kv_out[2] = {r->ctx_k, r->ctx_v};
+        M3_TRY(m3_linear_group(be, rows, r->ctx_h, 2, kv, M3_DT_BF16, kv_out));
         M3_TRY(op->head_norm_rope(be, rows, Nkv, D, r->ctx_k, (int64_t)Nkv * D, &L->k_norm,
                                   a->rms_norm_eps, st->dev.positions, &rope));
         M3_TRY(op->cache_write(be, rows, slots, Nkv, D, r->ctx_k, (int64_t)Nkv * D,
@@ -142,9 +143,9 @@ static m3_status draft_layers(m3_drafter *d, int n) {
         const m3_draft_layer *L = &d->bw.layers[i];
         M3_TRY(op->add_rmsnorm(be, T, H, i ? r->hidden : NULL, r->residual, &L->input_norm, eps,
                                r->x));
-        M3_TRY(op->linear(be, T, r->x, &L->q_proj, M3_DT_BF16, r->q));
-        M3_TRY(op->linear(be, T, r->x, &L->k_proj, M3_DT_BF16, r->k));
-        M3_TRY(op->linear(be, T, r->x, &L->v_proj, M3_DT_BF16, r->v));
+        const m3_linear *qkv[3] = {&L->q_proj, &L->k_proj, &L->v_proj};
+        void *qkv_out[3] = {r->q, r->k, r->v};
+        M3_TRY(m3_linear_group(be, T, r->x, 3, qkv, M3_DT_BF16, qkv_out));
         M3_TRY(op->head_norm_rope(be, T, Nq, D, r->q, (int64_t)Nq * D, &L->q_norm, eps,
                                   r->positions, &rope));
         M3_TRY(op->head_norm_rope(be, T, Nkv, D, r->k, (int64_t)Nkv * D, &L->k_norm, eps,
@@ -152,8 +153,9 @@ static m3_status draft_layers(m3_drafter *d, int n) {
         M3_TRY(draft_attention(d, n, i));
         M3_TRY(op->linear(be, T, r->attn, &L->o_proj, M3_DT_BF16, r->o));
         M3_TRY(op->add_rmsnorm(be, T, H, r->o, r->residual, &L->post_norm, eps, r->x));
-        M3_TRY(op->linear(be, T, r->x, &L->gate, M3_DT_BF16, r->gate));
-        M3_TRY(op->linear(be, T, r->x, &L->up, M3_DT_BF16, r->up));
+        const m3_linear *gate_up[2] = {&L->gate, &L->up};
+        void *gate_up_out[2] = {r->gate, r->up};
+        M3_TRY(m3_linear_group(be, T, r->x, 2, gate_up, M3_DT_BF16, gate_up_out));
         M3_TRY(op->swiglu(be, (int64_t)T * d->ffn_dim, r->gate, r->up, &act, r->act));
         M3_TRY(op->linear(be, T, r->act, &L->down, M3_DT_BF16, r->hidden));
     }

@@ -15,7 +15,8 @@
  *     RoPE, attention, SwiGLU, MoE): relative L2 <= 1e-2 (TOL_BF16).
  *   - fp32 outputs of the linear op: relative L2 <= 1e-5 (TOL_F32: the
  *     same products summed in another order); at decode row counts (1-16)
- *     each row's sums bitwise those of the same row in a 16-row run.
+ *     each row's sums bitwise those of the same row in a 16-row run, and
+ *     linear_group's outputs bitwise those of each linear alone.
  *   - copies (embed, gather_rows, cache_write) and one bf16 addition (the
  *     add_rmsnorm residual, add_rows): bit-exact.
  *   - index scores: both sides accumulate in fp64 and round once, so they
@@ -327,6 +328,63 @@ static void linear_prefill_cases(void) {
     m3_linear fw = make_linear(256, 1024, true, 1.0f), df = linear_to_gpu(&fw);
     linear_run("linear", 700, xq, &fw, &df, M3_DT_BF16, false);
     release_all();
+}
+
+/* linear_group: n weights of one x (a layer's q, k, v and index
+ * projections: one launch once their tiles fill the GPU; fewer tiles: one
+ * linear each); each output must be the bits of its linear alone, and
+ * within tolerance of the CPU. */
+static void linear_group_case(int n, const int64_t *Ns, int64_t K, bool fp8, int rows) {
+    m3_linear hw[6], dw[6];
+    const m3_linear *wp[6];
+    void *outs[6], *alone[6];
+    uint16_t *x = rand_bf16(rows * K, 1.0f), *dx = dev_from(x, (size_t)(rows * K) * 2);
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        hw[i] = make_linear(Ns[i], K, fp8, 1.0f);
+        dw[i] = linear_to_gpu(&hw[i]);
+        wp[i] = &dw[i];
+        outs[i] = dev_buf(NULL, (size_t)rows * Ns[i] * 2);
+        alone[i] = dev_buf(NULL, (size_t)rows * Ns[i] * 2);
+        total += Ns[i];
+    }
+    char shape[96];
+    snprintf(shape, sizeof shape, "rows %d, %d weights, N %lld, K %lld %s", rows, n,
+             (long long)total, (long long)K, fp8 ? "mxfp8" : "bf16");
+    m3_status st = gpu_done(g_gpu->ops->linear_group(g_gpu, rows, dx, n, wp, M3_DT_BF16, outs));
+    for (int i = 0; !st && i < n; i++)
+        st = gpu_done(g_gpu->ops->linear(g_gpu, rows, dx, &dw[i], M3_DT_BF16, alone[i]));
+    if (st) {
+        report_error("linear group", shape, st);
+        release_all();
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        int64_t m = (int64_t)rows * Ns[i];
+        bool guard, guard2;
+        uint16_t *got = dev_fetch(outs[i], (size_t)m * 2, &guard);
+        uint16_t *one = dev_fetch(alone[i], (size_t)m * 2, &guard2);
+        uint16_t *ref = halloc((size_t)m * 2);
+        cpu_must(g_cpu->ops->linear(g_cpu, rows, x, &hw[i], M3_DT_BF16, ref), "CPU linear");
+        char what[120];
+        snprintf(what, sizeof what, "%s: #%d vs alone, bits", shape, i);
+        cmp c = compare_bf16(got, one, m);
+        report("linear group", what, &c, EXACT, guard && guard2, " (wrote past the end)");
+        snprintf(what, sizeof what, "%s: #%d vs CPU", shape, i);
+        c = compare_bf16(got, ref, m);
+        report("linear group", what, &c, TOL_BF16, guard, " (wrote past the end)");
+    }
+    release_all();
+}
+
+static void test_linear_group(void) {
+    static const int64_t qkv_index[] = {2048, 128, 128, 128, 128}, gate_up[] = {1544, 1544},
+                         narrow[] = {128, 136, 40};
+    for (int rows = 1; rows <= 16; rows += 7) { /* 1, 8, 15 */
+        linear_group_case(5, qkv_index, 1024, false, rows);
+        linear_group_case(2, gate_up, 768, rows == 8, rows);
+        linear_group_case(3, narrow, 512, false, rows); /* one linear each */
+    }
 }
 
 static void test_linear(void) {
@@ -995,6 +1053,7 @@ int main(void) {
     test_embed_gather();
     test_add_rmsnorm();
     test_linear();
+    test_linear_group();
     test_head_norm_rope();
     test_cache_write();
     test_index_scores();
