@@ -18,9 +18,10 @@
  *   Each warp keeps its own online softmax over 16 keys of every tile; the
  *   four warps merge at the end, then either write the bf16 output (one
  *   split) or a partial (max, sum, acc) that a combine kernel merges.
- *   The number of splits depends on capacities only (rows, the whole
- *   model's KV heads, max_blocks or topk, the SM count): at most one wave
- *   of TP 1's CTAs, so a TP rank splits each head's keys as TP 1 does.
+ *   The number of splits depends on capacities only (rows past 16, the
+ *   whole model's KV heads, max_blocks or topk, the SM count): at most one
+ *   wave of TP 1's CTAs for one row, so a TP rank splits each head's keys
+ *   as TP 1 does, and a decode row's keys are split alike at 1-16 rows.
  *
  * Measured on an H200 (1 row, TP1 shapes, 1M-token context): dense
  * attention ~4.0 TB/s, sparse attention ~15 us (latency: a chain of
@@ -370,6 +371,9 @@ __global__ void __launch_bounds__(kCombThreads) attn_combine_kernel(CombineArgs 
     }
 }
 
+/* Row counts whose splits are one row's (decode and verify steps). */
+#define M3_ATTN_INVARIANT_ROWS 16
+
 /* Split policy: at most one wave of CTAs (a partial second wave would
  * double the time). splits = floor(SMs x CTAs per SM / (rows x the whole
  * model's kv_heads x head tiles)), at least 1, at most the capacity in tiles (dense: 2 x
@@ -391,8 +395,12 @@ static m3_status attn_run(m3_cuda *cu, AttnArgs a, int rows, bool sparse, int ma
     int per_sm = ctas_per_sm(attn_kernel<D>, kAttnThreads, smem);
     int64_t base = (int64_t)rows * a.kv_heads * a.mtiles;
     /* splits from the whole model's CTAs per row (a TP rank's grid is then
-     * a share of one wave), so every world splits a head's keys alike */
-    a.splits = attn_splits(cu, per_sm, (int64_t)rows * row_ctas,
+     * a share of one wave), so every world splits a head's keys alike; for
+     * decode row counts (<= 16) those of one row, so a row's output is the
+     * same bits alone or batched (a 16-row step runs up to 16 waves) and a
+     * speculative verify step's rows are plain decode steps' rows */
+    const int64_t wave_rows = rows <= M3_ATTN_INVARIANT_ROWS ? 1 : rows;
+    a.splits = attn_splits(cu, per_sm, wave_rows * row_ctas,
                            2 * (int64_t)(sparse ? a.topk : max_blocks));
     int64_t grid = base * a.splits, items = (int64_t)rows * a.q_heads;
     if (grid > INT32_MAX || items > INT32_MAX)
