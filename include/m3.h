@@ -348,6 +348,10 @@ typedef struct m3_spec_stats {
      * logits and the acceptance): per batch step, what a step's time is made of */
     double draft_seconds, verify_seconds;
     int64_t draft_replays; /* draft steps replayed from a CUDA graph */
+    /* draft steps whose layers ran the backend's fused drafter kernels
+     * (SPEC §7), and, where they did not run, why ("" where they did) */
+    int64_t kernel_draft_steps;
+    char draft_kernels_off[200];
     int n_steps;
     m3_spec_step *steps;
     float *draft_logits;

@@ -61,6 +61,43 @@ typedef struct m3_moe_params {
     m3_comm *tp; /* the TP group when the experts are sharded; NULL at TP 1 */
 } m3_moe_params;
 
+/* One DSpark draft layer's weights (spec/drafter.h loads them; the fused
+ * drafter kernels read them). */
+/* Shapes: H hidden (the target's), D head_dim, Nq/Nkv query/KV heads, F the
+ * MLP width, k taps, V vocabulary, r Markov rank, B block rows. */
+typedef struct m3_draft_layer {
+    m3_tensor input_norm, post_norm; /* [H] bf16 */
+    m3_linear q_proj;                /* [Nq*D, H] */
+    m3_linear k_proj, v_proj;        /* [Nkv*D, H] */
+    m3_linear o_proj;                /* [H, Nq*D] */
+    m3_tensor q_norm, k_norm;        /* [D] bf16 */
+    m3_linear gate, up;              /* [F, H] */
+    m3_linear down;                  /* [H, F] */
+} m3_draft_layer;
+
+/* What the fused drafter layers need (draft_layers_build): the drafter's
+ * shapes and weights, its cache, and the draft step's fixed buffers
+ * (backend memory; T = n * block rows, request-major, as draft_forward.c
+ * lays them out). */
+typedef struct m3_draft_layers_args {
+    int n_layers, hidden_size, q_heads, kv_heads, head_dim, ffn, block;
+    int max_reqs, max_blocks;           /* requests a step; the block tables' width */
+    float eps, scale;                   /* RMSNorm eps; attention 1/sqrt(D) */
+    m3_rope rope;
+    m3_swiglu swiglu;
+    int64_t window;                     /* keys a row sees (0: all) */
+    const m3_draft_layer *layers;       /* [n_layers] */
+    const m3_tensor *final_norm;        /* [H] */
+    uint16_t *const *k_cache, *const *v_cache; /* [n_layers]: [pages, Nkv, 128, D] */
+    const int64_t *positions;           /* [T] */
+    const int32_t *pages;               /* [max_reqs, max_blocks] */
+    uint16_t *residual, *hidden;        /* [T, H]: the stream (residual in: the embedding) */
+    uint16_t *x, *o, *final;            /* [T, H] */
+    uint16_t *q, *attn;                 /* [T, Nq D] */
+    uint16_t *k, *v;                    /* [T, Nkv D] */
+    uint16_t *act;                      /* [T, F] */
+} m3_draft_layers_args;
+
 typedef struct m3_backend_ops {
     const char *name;
     /* The backend's memory is the host's (the CPU): weights stay views of
@@ -192,6 +229,22 @@ typedef struct m3_backend_ops {
     m3_status (*draft_markov)(m3_backend *be, int n, const m3_tensor *w1, const m3_tensor *w2,
                               const int32_t *prev, float *rows, int64_t row_stride,
                               int32_t *next);
+
+    /* The DSpark drafter's layers and final norm in fused kernels (SPEC
+     * §7; NULL: the backend has none, and the drafter runs its layers op
+     * by op). build checks the shapes (M3_ERR_UNSUPPORTED with the reason
+     * where the kernels do not take them) and makes a runner for these
+     * weights, cache and buffers, outside any graph capture; run computes
+     * a draft step of n requests (1..max_reqs): from residual (the rows'
+     * embedding) to final, with hidden, x, q, k, v, attn, o and act as
+     * scratch, the same values as the stock ops (bit for bit where the
+     * backend's linear takes the step's rows on the same kernel); free
+     * releases the runner (NULL: nothing). A runner holds the cache's
+     * addresses: another cache needs another runner. */
+    m3_status (*draft_layers_build)(m3_backend *be, const m3_draft_layers_args *a,
+                                    void **runner);
+    m3_status (*draft_layers_run)(m3_backend *be, void *runner, int n);
+    void (*draft_layers_free)(m3_backend *be, void *runner);
 
     /* out = bf16(swiglu_oai(gate, up)) elementwise over n values. */
     m3_status (*swiglu)(m3_backend *be, int64_t n, const uint16_t *gate, const uint16_t *up,

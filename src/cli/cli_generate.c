@@ -244,6 +244,9 @@ static cJSON *spec_json(const m3_spec_stats *s, int block) {
                             s->cycles ? (double)(s->accepted + s->cycles) / s->cycles : 0);
     cJSON_AddNumberToObject(o, "draft_seconds", s->draft_seconds);
     cJSON_AddNumberToObject(o, "draft_replays", (double)s->draft_replays);
+    /* SPEC §7's drafter kernels: the steps they ran, or why they did not */
+    cJSON_AddNumberToObject(o, "kernel_draft_steps", (double)s->kernel_draft_steps);
+    cJSON_AddStringToObject(o, "draft_kernels_off", s->draft_kernels_off);
     cJSON_AddNumberToObject(o, "verify_seconds", s->verify_seconds);
     cJSON *steps = cJSON_AddArrayToObject(o, "steps");
     for (int i = 0; i < s->n_steps; i++) {
@@ -429,6 +432,10 @@ static int generate(const gen_args *a, const int32_t *const *prompts, const int 
             st = m3_generate_speculative_batch(eng, drafter, n, prompts, lens, &go, res, &spec);
         else
             st = m3_generate_batch(eng, n, prompts, lens, &go, res);
+        /* where the device has the drafter kernels but they did not run: why, once */
+        if (drafter && !strcmp(a->device, "cuda") && spec.draft_kernels_off[0])
+            fprintf(stderr, "m3 generate: the drafter's fused kernels are off (%s); its layers "
+                    "ran op by op\n", spec.draft_kernels_off);
         if (!st && dump.failed)
             st = dump.failed;
     }

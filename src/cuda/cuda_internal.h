@@ -141,6 +141,12 @@ m3_status m3_cuda_attention(m3_backend *be, const m3_step *step, int q_heads, in
                             int dim, const uint16_t *q, const uint16_t *kcache,
                             const uint16_t *vcache, const int32_t *selected, int topk,
                             float scale, uint16_t *out);
+/* cuda_draft_layers.cu */
+m3_status m3_cuda_draft_layers_build(m3_backend *be, const m3_draft_layers_args *a,
+                                     void **runner);
+m3_status m3_cuda_draft_layers_run(m3_backend *be, void *runner, int n);
+void m3_cuda_draft_layers_free(m3_backend *be, void *runner);
+
 /* cuda_draft.cu */
 m3_status m3_cuda_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
                                   const uint16_t *q, const uint16_t *bk, const uint16_t *bv,

@@ -11,6 +11,7 @@
  * attention's and the Markov head's argmax, which run per request.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -125,9 +126,9 @@ static m3_status draft_attention(m3_drafter *d, int n, int layer) {
     return M3_OK;
 }
 
-/* The n*B rows through the draft layers and the final norm: r->final
- * [n*B, H] (backend memory). */
-static m3_status draft_layers(m3_drafter *d, int n) {
+/* The n*B rows from their embedding in r->residual through the draft
+ * layers and the final norm, op by op: r->final [n*B, H] (backend memory). */
+static m3_status draft_layers_ops(m3_drafter *d, int n) {
     m3_draft_run *r = &d->run;
     m3_engine *e = r->eng;
     const m3_backend_ops *op = e->be->ops;
@@ -138,7 +139,6 @@ static m3_status draft_layers(m3_drafter *d, int n) {
     float eps = a->rms_norm_eps;
     m3_rope rope = {a->rotary_dim, a->rope_theta};
     m3_swiglu act = {a->swiglu_alpha, a->swiglu_limit};
-    M3_TRY(op->embed(be, T, r->tokens, &r->embed, 0, r->residual));
     for (int i = 0; i < a->num_layers; i++) {
         const m3_draft_layer *L = &d->bw.layers[i];
         M3_TRY(op->add_rmsnorm(be, T, H, i ? r->hidden : NULL, r->residual, &L->input_norm, eps,
@@ -160,6 +160,71 @@ static m3_status draft_layers(m3_drafter *d, int n) {
         M3_TRY(op->linear(be, T, r->act, &L->down, M3_DT_BF16, r->hidden));
     }
     return op->add_rmsnorm(be, T, H, r->hidden, r->residual, &d->bw.final_norm, eps, r->final);
+}
+
+/* SPEC §7's drafter dispatch: the fused drafter layers where the
+ * deployment fits (the backend has them, M3_DRAFT_LAYERS does not say
+ * ops, a drafter of 7 speculative tokens) and the backend's kernels take
+ * the shapes; tried once per attach, at the first draft step (never inside
+ * a graph capture: draft_inputs runs before any), and off with the reason
+ * otherwise. Every step a runner can take (1..max_reqs requests of B rows,
+ * int64 positions, its context and block tables in place: draft_inputs
+ * checks them) then runs it. */
+static m3_status pick_kernels(m3_drafter *d) {
+    m3_draft_run *r = &d->run;
+    if (r->kernels != M3_DRAFT_KERNELS_UNTRIED)
+        return M3_OK;
+    m3_backend *be = r->eng->be;
+    const char *env = getenv("M3_DRAFT_LAYERS");
+    if (env && *env && strcmp(env, "ops") && strcmp(env, "fused"))
+        return m3_fail(M3_ERR_INVALID_ARG, "M3_DRAFT_LAYERS=%s: expected ops or fused", env);
+    r->kernels = M3_DRAFT_KERNELS_OFF;
+    if (!be->ops->draft_layers_build) {
+        snprintf(r->kernels_off, sizeof r->kernels_off, "the %s backend has no fused drafter "
+                 "kernels", be->ops->name);
+        return M3_OK;
+    }
+    if (env && !strcmp(env, "ops")) {
+        snprintf(r->kernels_off, sizeof r->kernels_off, "switched off by M3_DRAFT_LAYERS=ops");
+        return M3_OK;
+    }
+    if (d->cfg.block != 7) {
+        snprintf(r->kernels_off, sizeof r->kernels_off, "the fused drafter kernels serve 7 "
+                 "speculative tokens; this drafter proposes %d", d->cfg.block);
+        return M3_OK;
+    }
+    const m3_config *a = &d->cfg.attn;
+    m3_draft_layers_args args = {
+        .n_layers = a->num_layers, .hidden_size = a->hidden_size, .q_heads = a->num_q_heads,
+        .kv_heads = a->num_kv_heads, .head_dim = a->head_dim, .ffn = d->ffn_dim,
+        .block = d->cfg.block, .max_reqs = r->max_reqs, .max_blocks = r->max_blocks,
+        .eps = a->rms_norm_eps, .scale = (float)(1.0 / sqrt((double)a->head_dim)),
+        .rope = {a->rotary_dim, a->rope_theta}, .swiglu = {a->swiglu_alpha, a->swiglu_limit},
+        .window = d->cfg.window, .layers = d->bw.layers, .final_norm = &d->bw.final_norm,
+        .k_cache = r->k_cache, .v_cache = r->v_cache, .positions = r->positions,
+        .pages = r->pages, .residual = r->residual, .hidden = r->hidden, .x = r->x,
+        .o = r->o, .final = r->final, .q = r->q, .attn = r->attn, .k = r->k, .v = r->v,
+        .act = r->act};
+    m3_status st = be->ops->draft_layers_build(be, &args, &r->kernels_runner);
+    if (st == M3_ERR_UNSUPPORTED) { /* these shapes: op by op, and say why */
+        snprintf(r->kernels_off, sizeof r->kernels_off, "%s", m3_last_error());
+        return M3_OK;
+    }
+    M3_TRY(st);
+    r->kernels = M3_DRAFT_KERNELS_ON;
+    return M3_OK;
+}
+
+/* The n*B rows through the draft layers and the final norm: r->final
+ * [n*B, H] (backend memory), in the fused kernels where pick_kernels
+ * switched them on, else op by op. */
+static m3_status draft_layers(m3_drafter *d, int n) {
+    m3_draft_run *r = &d->run;
+    m3_backend *be = r->eng->be;
+    M3_TRY(be->ops->embed(be, n * d->cfg.block, r->tokens, &r->embed, 0, r->residual));
+    if (r->kernels != M3_DRAFT_KERNELS_ON)
+        return draft_layers_ops(d, n);
+    return be->ops->draft_layers_run(be, r->kernels_runner, n);
 }
 
 /* The target's lm_head over the n*B final rows: r->logits [n*B, V]
@@ -266,6 +331,7 @@ static m3_status draft_inputs(m3_drafter *d, int n, const m3_seq *seqs, const in
         return m3_fail(M3_ERR_INVALID_ARG, "a draft step of %d requests: 1 to %d, with their "
                        "sequences, positions and anchors", n, r->max_reqs);
     M3_TRY(m3_engine_bind_thread(e));
+    M3_TRY(pick_kernels(d));
     int B = d->cfg.block;
     int32_t tokens[M3_MAX_DRAFT_REQS * M3_MAX_DRAFT_BLOCK];
     int64_t positions[M3_MAX_DRAFT_REQS * M3_MAX_DRAFT_BLOCK];
@@ -296,6 +362,8 @@ m3_status m3_drafter_propose(m3_drafter *d, int n, const m3_seq *seqs, const int
     const m3_backend_ops *op = be->ops;
     int B = d->cfg.block, V = d->cfg.vocab_size, G = r->max_reqs;
     M3_TRY(run_draft_step(d, n));
+    if (r->kernels == M3_DRAFT_KERNELS_ON)
+        r->kernel_steps++;
     int32_t all[(M3_MAX_DRAFT_BLOCK + 1) * M3_MAX_DRAFT_REQS];
     M3_TRY(op->download(be, all, r->drafts, (size_t)(B + 1) * G * sizeof *all));
     for (int g = 0; g < n; g++)

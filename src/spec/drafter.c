@@ -387,6 +387,8 @@ void m3_drafter_detach(m3_drafter *d) {
     for (int n = 0; n <= M3_GRAPH_MAX_VERIFY_ROWS; n++)
         if (r->ctx_graph[n])
             be->ops->graph_free(be, r->ctx_graph[n]);
+    if (r->kernels_runner) /* (it holds the cache below) */
+        be->ops->draft_layers_free(be, r->kernels_runner);
     free(r->host_slots);
     for (int i = 0; r->k_cache && i < 2 * d->cfg.attn.num_layers; i++)
         if (r->k_cache[i])

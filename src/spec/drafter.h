@@ -16,18 +16,6 @@
 #include "decode/engine.h"
 #include "model/config_json.h"
 
-/* Shapes: H hidden (the target's), D head_dim, Nq/Nkv query/KV heads, F the
- * MLP width, k taps, V vocabulary, r Markov rank, B block rows. */
-typedef struct m3_draft_layer {
-    m3_tensor input_norm, post_norm; /* [H] bf16 */
-    m3_linear q_proj;                /* [Nq*D, H] */
-    m3_linear k_proj, v_proj;        /* [Nkv*D, H] */
-    m3_linear o_proj;                /* [H, Nq*D] */
-    m3_tensor q_norm, k_norm;        /* [D] bf16 */
-    m3_linear gate, up;              /* [F, H] */
-    m3_linear down;                  /* [H, F] */
-} m3_draft_layer;
-
 /* Every weight of a drafter. */
 typedef struct m3_draft_weights {
     m3_linear fc;                    /* [H, k*H] */
@@ -64,6 +52,15 @@ typedef struct m3_draft_run {
     int64_t replays;                 /* draft steps replayed from graph[] */
     int64_t ctx_replays;             /* contexts replayed from ctx_graph[] */
     bool fused_markov;               /* the Markov step is the backend's draft_markov */
+    /* The fused drafter layers (SPEC §7's drafter dispatch, draft_forward.c
+     * pick_kernels): tried at the first draft step, outside any capture;
+     * off, with the reason, where the deployment does not fit or the
+     * backend's kernels refuse the shapes. A new attach (a new cache)
+     * starts untried: a runner holds the cache's addresses. */
+    enum { M3_DRAFT_KERNELS_UNTRIED, M3_DRAFT_KERNELS_ON, M3_DRAFT_KERNELS_OFF } kernels;
+    void *kernels_runner;            /* the backend's runner (ON) */
+    char kernels_off[200];           /* why they are off (OFF) */
+    int64_t kernel_steps;            /* draft steps whose layers ran them */
     int64_t *host_slots;             /* [R] host: the kept rows' slots, -1 the others */
     int64_t *ctx_slots;              /* [R]: the same in backend memory */
     uint16_t *ctx_u, *ctx_h;         /* [R, H]: fc output, its norm */

@@ -10,6 +10,7 @@
  * from are exactly plain greedy decoding's (for a batch: where the target's
  * rows do not depend on the batch).
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -339,9 +340,12 @@ m3_status m3_generate_speculative_batch(m3_engine *e, m3_drafter *d, int n,
                        "results are required");
     M3_TRY(m3_drafter_attach(d, e));
     m3_proposer pr = {d->cfg.block, d->run.max_reqs, d, drafter_extend, drafter_propose};
-    int64_t replays = d->run.replays;
+    int64_t replays = d->run.replays, kernel_steps = d->run.kernel_steps;
     m3_status st = m3_speculate(e, &pr, n, prompts, n_prompts, opts, res, stats);
     stats->draft_replays = d->run.replays - replays;
+    stats->kernel_draft_steps = d->run.kernel_steps - kernel_steps;
+    snprintf(stats->draft_kernels_off, sizeof stats->draft_kernels_off, "%s",
+             d->run.kernels == M3_DRAFT_KERNELS_ON ? "" : d->run.kernels_off);
     m3_drafter_detach(d);
     return st;
 }

@@ -396,6 +396,8 @@ static m3_engine *engine(m3_model *m, m3_device dev, bool graphs) {
 }
 
 /* draft logits [steps, B, V] of a speculative run; NULL on failure */
+static int64_t g_kernel_steps; /* the last spec_run's draft steps in the fused kernels */
+
 static float *spec_run(m3_engine *e, m3_drafter *d, const int32_t *prompt, int32_t *tokens,
                        int *n_steps, int64_t *draft_replays) {
     m3_gen_opts go = m3_gen_defaults();
@@ -409,8 +411,11 @@ static float *spec_run(m3_engine *e, m3_drafter *d, const int32_t *prompt, int32
         return NULL;
     }
     memcpy(tokens, res.tokens, N_GEN * sizeof *tokens);
-    printf("  %d draft steps, %lld of %lld drafts accepted\n", s.n_steps, (long long)s.accepted,
+    printf("  %d draft steps (%lld in the fused drafter kernels%s%s), %lld of %lld drafts "
+           "accepted\n", s.n_steps, (long long)s.kernel_draft_steps,
+           s.draft_kernels_off[0] ? ": off, " : "", s.draft_kernels_off, (long long)s.accepted,
            (long long)s.drafted);
+    g_kernel_steps = s.kernel_draft_steps;
     free(res.tokens);
     free(s.steps);
     *n_steps = s.n_steps;
@@ -461,6 +466,36 @@ static void run_case(const char *what, m3_model *m, const char *draft_dir) {
     g_cases++;
     g_fails += !ops_same;
     free(ol);
+    /* the fused drafter layers (this run's default on the GPU: the tiny
+     * preset's shapes, 7 rows) against the stock drafter's ops: the same
+     * bits (at up to 16 rows both run the MMA linear's sums) */
+    {
+        int32_t lay_tok[N_GEN];
+        int ls = 0;
+        int64_t lay_replays = 0;
+        int64_t g_steps = 0;
+        printf("%s, GPU, the fused drafter layers:\n", what);
+        float *fl = ok ? spec_run(eg, d, prompt, lay_tok, &ls, &lay_replays) : NULL;
+        g_steps = g_kernel_steps;
+        printf("%s, GPU, the stock drafter's ops (M3_DRAFT_LAYERS=ops):\n", what);
+        setenv("M3_DRAFT_LAYERS", "ops", 1);
+        int32_t sop_tok[N_GEN];
+        int ss = 0;
+        int64_t sop_replays = 0;
+        float *sl = ok ? spec_run(eg, d, prompt, sop_tok, &ss, &sop_replays) : NULL;
+        int64_t ops_steps = g_kernel_steps;
+        unsetenv("M3_DRAFT_LAYERS");
+        bool lay_same = fl && sl && ls == ss && !memcmp(lay_tok, sop_tok, sizeof lay_tok) &&
+                        !memcmp(fl, sl, (size_t)ls * B * V * sizeof *fl);
+        bool ran = g_steps == ls && ls > 0 && ops_steps == 0;
+        printf("%s: fused drafter layers (%lld of %d steps) vs the stock ops (%lld): tokens and "
+               "draft logits %s: %s\n", what, (long long)g_steps, ls, (long long)ops_steps,
+               lay_same ? "bit-identical" : "DIFFER", lay_same && ran ? "PASS" : "FAIL");
+        g_cases++;
+        g_fails += !(lay_same && ran);
+        free(fl);
+        free(sl);
+    }
     printf("%s, CPU:\n", what);
     float *cl = ok ? spec_run(ec, d, prompt, cpu_tok, &cs, &cpu_draft_replays) : NULL;
     ok = ok && gl && cl && el;
@@ -533,6 +568,29 @@ static bool batch_spec(m3_engine *e, m3_drafter *d, const int32_t *const *prompt
     return true;
 }
 
+/* The worst relative L2 of each request's first draft step in run a
+ * against run b (where their anchors agree: the same context), and how
+ * many requests were compared. */
+static double first_steps_rel(const batch_run *a, const batch_run *b, size_t row, int *compared) {
+    double worst = 0;
+    *compared = 0;
+    for (int r = 0; r < N_BATCH; r++) {
+        int ai = -1, bi = -1;
+        for (int i = a->s.n_steps - 1; i >= 0; i--)
+            ai = a->s.steps[i].request == r ? i : ai;
+        for (int i = b->s.n_steps - 1; i >= 0; i--)
+            bi = b->s.steps[i].request == r ? i : bi;
+        if (ai < 0 || bi < 0 || a->s.steps[ai].anchor != b->s.steps[bi].anchor)
+            continue;
+        gpu_cmp cmp = gpu_compare_f32(a->s.draft_logits + ai * row,
+                                      b->s.draft_logits + bi * row, (int64_t)row);
+        double rel = cmp.bad_special ? 1.0 : cmp.rel_l2;
+        worst = rel > worst ? rel : worst;
+        (*compared)++;
+    }
+    return worst;
+}
+
 /* Three prompts of different lengths decoded speculatively together, two
  * requests a cycle (max_rows 16: a draft step of 14 rows, a verify step of
  * 16 whose graph bucket also serves one request's 16 rows), then the
@@ -573,6 +631,11 @@ static void batch_case(const char *what, m3_model *m, const char *draft_dir, int
     ok = batch_spec(ee, d, prompts, lens, &e) && ok;
     printf("%s, CPU:\n", what);
     ok = batch_spec(ec, d, prompts, lens, &c) && ok;
+    batch_run o = {0};
+    printf("%s, GPU, the stock drafter's ops (M3_DRAFT_LAYERS=ops):\n", what);
+    setenv("M3_DRAFT_LAYERS", "ops", 1);
+    ok = batch_spec(eg, d, prompts, lens, &o) && ok;
+    unsetenv("M3_DRAFT_LAYERS");
     size_t row = (size_t)B * V;
     bool graph_same = ok && g.s.n_steps == e.s.n_steps && !memcmp(g.tokens, e.tokens,
                                                                   sizeof g.tokens) &&
@@ -585,23 +648,26 @@ static void batch_case(const char *what, m3_model *m, const char *draft_dir, int
            graph_same ? "bit-identical" : "DIFFER",
            graph_same && replayed ? "PASS" : "FAIL");
     g_fails += !(graph_same && replayed);
-    /* each request's first draft step, GPU against CPU */
-    double worst = 0;
+    /* the fused drafter layers against the stock ops: the same bits where a
+     * draft step has at most 16 rows (both sum on the MMA linear), else
+     * within bf16 noise (the stock linear is cuBLAS there) */
+    bool small = max_rows / (B + 1) * B <= 16;
+    bool ran = ok && g.s.kernel_draft_steps > 0 && !o.s.kernel_draft_steps;
+    int lay_n = 0;
+    double lay_rel = ok ? first_steps_rel(&g, &o, row, &lay_n) : 1.0;
+    bool lay_same = ok && g.s.n_steps == o.s.n_steps &&
+                    !memcmp(g.tokens, o.tokens, sizeof g.tokens) &&
+                    !memcmp(g.s.draft_logits, o.s.draft_logits,
+                            (size_t)g.s.n_steps * row * sizeof(float));
+    bool lay_pass = ran && (small ? lay_same : lay_n > 0 && lay_rel <= TOL);
+    printf("%s: fused drafter layers (%lld steps) vs the stock ops: %s, first steps relL2 "
+           "%.3g (%s): %s\n", what, ok ? (long long)g.s.kernel_draft_steps : 0LL,
+           lay_same ? "bit-identical" : "differ", lay_rel,
+           small ? "bits required" : "tolerance", lay_pass ? "PASS" : "FAIL");
+    g_cases++;
+    g_fails += !lay_pass;
     int compared = 0;
-    for (int r = 0; ok && r < N_BATCH; r++) {
-        int gi = -1, ci = -1;
-        for (int i = g.s.n_steps - 1; i >= 0; i--)
-            gi = g.s.steps[i].request == r ? i : gi;
-        for (int i = c.s.n_steps - 1; i >= 0; i--)
-            ci = c.s.steps[i].request == r ? i : ci;
-        if (gi < 0 || ci < 0 || g.s.steps[gi].anchor != c.s.steps[ci].anchor)
-            continue;
-        gpu_cmp cmp = gpu_compare_f32(g.s.draft_logits + gi * row, c.s.draft_logits + ci * row,
-                                      (int64_t)row);
-        double rel = cmp.bad_special ? 1.0 : cmp.rel_l2;
-        worst = rel > worst ? rel : worst;
-        compared++;
-    }
+    double worst = ok ? first_steps_rel(&g, &c, row, &compared) : 1.0;
     bool pass = ok && compared > 0 && worst <= TOL;
     printf("%s: first draft steps GPU vs CPU, %d of %d requests compared, worst relL2 %.3g: %s\n",
            what, compared, N_BATCH, worst, pass ? "PASS" : "FAIL");
@@ -624,6 +690,7 @@ static void batch_case(const char *what, m3_model *m, const char *draft_dir, int
     m3_spec_stats_free(&g.s);
     m3_spec_stats_free(&e.s);
     m3_spec_stats_free(&c.s);
+    m3_spec_stats_free(&o.s);
     m3_engine_free(eg);
     m3_engine_free(ee);
     m3_engine_free(ec);
