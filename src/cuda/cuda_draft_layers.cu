@@ -302,7 +302,8 @@ __device__ __forceinline__ void prefetch_tile(const gemv_weight &W, int64_t N, i
         ksum_bounds(K, chunks, c, &k0, &k1);
         const int64_t byte = (int64_t)k0 * 2 + (int64_t)l * 128;
         if (byte < (int64_t)k1 * 2)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(W.w + (n0 + r) * W.w_row + byte));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(
+                __cvta_generic_to_global(W.w + (n0 + r) * W.w_row + byte)));
     }
 }
 
