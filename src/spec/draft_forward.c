@@ -162,14 +162,16 @@ static m3_status draft_layers_ops(m3_drafter *d, int n) {
     return op->add_rmsnorm(be, T, H, r->hidden, r->residual, &d->bw.final_norm, eps, r->final);
 }
 
-/* SPEC §7's drafter dispatch: the fused drafter layers where the
- * deployment fits (the backend has them, M3_DRAFT_LAYERS does not say
- * ops, a drafter of 7 speculative tokens) and the backend's kernels take
- * the shapes; tried once per attach, at the first draft step (never inside
- * a graph capture: draft_inputs runs before any), and off with the reason
- * otherwise. Every step a runner can take (1..max_reqs requests of B rows,
- * int64 positions, its context and block tables in place: draft_inputs
- * checks them) then runs it. */
+/* SPEC §7's drafter dispatch: the fused drafter layers where they are
+ * asked for (M3_DRAFT_LAYERS=fused: off by default, as they are slower
+ * than the stock ops on the shapes measured so far, docs/PERF.md,
+ * forty-fifth session), the deployment fits (the backend has them, a
+ * drafter of 7 speculative tokens) and the backend's kernels take the
+ * shapes; tried once per attach, at the first draft step (never inside a
+ * graph capture: draft_inputs runs before any), and off with the reason
+ * otherwise. Every step a runner can take (1..max_reqs requests of B
+ * rows, int64 positions, its context and block tables in place:
+ * draft_inputs checks them) then runs it. */
 static m3_status pick_kernels(m3_drafter *d) {
     m3_draft_run *r = &d->run;
     if (r->kernels != M3_DRAFT_KERNELS_UNTRIED)
@@ -184,8 +186,11 @@ static m3_status pick_kernels(m3_drafter *d) {
                  "kernels", be->ops->name);
         return M3_OK;
     }
-    if (env && !strcmp(env, "ops")) {
-        snprintf(r->kernels_off, sizeof r->kernels_off, "switched off by M3_DRAFT_LAYERS=ops");
+    if (!env || strcmp(env, "fused")) {
+        snprintf(r->kernels_off, sizeof r->kernels_off, "%s", env && *env
+                 ? "switched off by M3_DRAFT_LAYERS=ops"
+                 : "off by default (slower than the stock ops so far; M3_DRAFT_LAYERS=fused "
+                   "runs them)");
         return M3_OK;
     }
     if (d->cfg.block != 7) {

@@ -152,13 +152,19 @@ int main(void) {
     CHECK(s.kernel_draft_steps == 0 && strstr(s.draft_kernels_off, "no fused drafter kernels"));
     m3_spec_stats_free(&s);
 
-    /* the stand-in: built once an attach, run every draft step, freed */
+    /* off by default (slower so far), with the reason */
     g.cpu = e->be->ops;
     g.ops = *g.cpu;
     g.ops.draft_layers_build = fake_build;
     g.ops.draft_layers_run = fake_run;
     g.ops.draft_layers_free = fake_free;
     e->be->ops = &g.ops;
+    CHECK_OK(spec_run(e, d, 1, prompts, plain, &s));
+    CHECK(g.builds == 0 && s.kernel_draft_steps == 0 && strstr(s.draft_kernels_off, "default"));
+    m3_spec_stats_free(&s);
+
+    /* asked for: built once an attach, run every draft step, freed */
+    setenv("M3_DRAFT_LAYERS", "fused", 1);
     g.min_n = 1 << 30;
     CHECK_OK(spec_run(e, d, 3, prompts, plain, &s));
     CHECK(g.builds == 1 && g.frees == 1);
@@ -202,7 +208,7 @@ int main(void) {
     CHECK_FAILS(spec_run(e, d, 1, prompts, plain, &s), M3_ERR_INVALID_ARG,
                 "M3_DRAFT_LAYERS=fast");
     m3_spec_stats_free(&s);
-    unsetenv("M3_DRAFT_LAYERS");
+    setenv("M3_DRAFT_LAYERS", "fused", 1);
 
     /* a drafter of another block: the kernels serve 7 speculative tokens */
     m3_drafter *d4 = make_drafter(m, "draft4", 4);
@@ -226,6 +232,7 @@ int main(void) {
         m3_drafter_free(d4);
     }
 
+    unsetenv("M3_DRAFT_LAYERS");
     e->be->ops = g.cpu;
     m3_engine_free(e);
     m3_drafter_free(d);
