@@ -203,12 +203,14 @@ typedef struct m3_backend_ops {
      * [pages, kv_heads, 128, dim], block table `pages`) at positions
      * [max(0, p + t - window + 1) with a window, else 0, p), then over every
      * row's block key bk / value bv [rows, kv_heads, dim], in that order;
-     * softmax as attention's; out [rows, q_heads, dim] bf16 per head. */
+     * softmax as attention's; out [rows, q_heads, dim] bf16 per head.
+     * max_blocks: the block table's capacity (the most pages any position
+     * replayed from a graph may reach), which sizes a GPU's launches. */
     m3_status (*draft_attention)(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
                                  const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
                                  const uint16_t *kcache, const uint16_t *vcache,
-                                 const int32_t *pages, const int64_t *pos, int64_t window,
-                                 float scale, uint16_t *out);
+                                 const int32_t *pages, int max_blocks, const int64_t *pos,
+                                 int64_t window, float scale, uint16_t *out);
 
     /* The DSpark drafter's Markov step (docs/DSPARK.md; NULL: the backend
      * has none): row[v] += bias[v] (fp32, written back; bias NULL: the row

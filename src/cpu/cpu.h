@@ -145,8 +145,8 @@ m3_status m3_cpu_moe(m3_backend *be, int rows, const uint16_t *x, const m3_layer
 m3_status m3_cpu_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
                                  const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
                                  const uint16_t *kcache, const uint16_t *vcache,
-                                 const int32_t *pages, const int64_t *pos, int64_t window,
-                                 float scale, uint16_t *out);
+                                 const int32_t *pages, int max_blocks, const int64_t *pos,
+                                 int64_t window, float scale, uint16_t *out);
 /* backend op draft_argmax (cpu_draft.c) */
 m3_status m3_cpu_draft_argmax(m3_backend *be, int vocab, float *row, const float *bias,
                               int32_t *token);

@@ -83,8 +83,9 @@ static void draft_chunk(void *ctx, int64_t begin, int64_t end, int thread) {
 m3_status m3_cpu_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
                                  const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
                                  const uint16_t *kcache, const uint16_t *vcache,
-                                 const int32_t *pages, const int64_t *pos, int64_t window,
-                                 float scale, uint16_t *out) {
+                                 const int32_t *pages, int max_blocks, const int64_t *pos,
+                                 int64_t window, float scale, uint16_t *out) {
+    (void)max_blocks; /* (sizes a GPU's launches) */
     int64_t p = pos ? pos[0] : -1;
     if (rows < 1 || p < 0 || window < 0 || kv_heads < 1 || q_heads % kv_heads)
         return m3_fail(M3_ERR_INVALID_ARG, "draft attention: %d rows at position %lld, window "

@@ -43,6 +43,7 @@ enum m3_cuda_workspace_slot {
     M3_CUDA_WS_COMM,          /* TP: the ranks' gathered values, summed over ranks */
     M3_CUDA_WS_CP,            /* indexer CP in a layer: gathered queries, scores, keys */
     M3_CUDA_WS_MARKOV,        /* the DSpark Markov step's keys and counter */
+    M3_CUDA_WS_DRAFT,         /* the drafter attention's split partials (long contexts) */
     M3_CUDA_WORKSPACES        /* (how many: a slot added above is counted) */
 };
 
@@ -151,8 +152,8 @@ void m3_cuda_draft_layers_free(m3_backend *be, void *runner);
 m3_status m3_cuda_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
                                   const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
                                   const uint16_t *kcache, const uint16_t *vcache,
-                                  const int32_t *pages, const int64_t *pos, int64_t window,
-                                  float scale, uint16_t *out);
+                                  const int32_t *pages, int max_blocks, const int64_t *pos,
+                                  int64_t window, float scale, uint16_t *out);
 m3_status m3_cuda_draft_markov(m3_backend *be, int n, const m3_tensor *w1, const m3_tensor *w2,
                                const int32_t *prev, float *rows, int64_t row_stride,
                                int32_t *next);

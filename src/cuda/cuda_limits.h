@@ -19,5 +19,6 @@
 #define M3_CUDA_MOE_MAX_EXPERTS 8192
 #define M3_CUDA_MOE_ALIGN 32          /* hidden and expert widths: multiples of this */
 #define M3_CUDA_SAMPLE_MAX_VOCAB (1 << 30) /* int ids and offsets never overflow */
+#define M3_CUDA_DRAFT_MAX_ROWS 16     /* draft_attention over a long context: block rows */
 
 #endif

@@ -119,7 +119,7 @@ static m3_status draft_attention(m3_drafter *d, int n, int layer) {
         size_t q0 = (size_t)g * B * Nq * D, k0 = (size_t)g * B * Nkv * D;
         M3_TRY(be->ops->draft_attention(be, B, Nq, Nkv, D, r->q + q0, r->k + k0, r->v + k0,
                                         r->k_cache[layer], r->v_cache[layer],
-                                        r->pages + (size_t)g * r->max_blocks,
+                                        r->pages + (size_t)g * r->max_blocks, r->max_blocks,
                                         r->positions + (size_t)g * B, d->cfg.window, scale,
                                         r->attn + q0));
     }

@@ -88,8 +88,13 @@ static void *up(const void *h, size_t bytes, size_t extra) {
     return d;
 }
 
+/* cap: the block table's capacity the op is told (its launches are sized
+ * by it, as a graph replayed at any position needs): n_blocks + 40 pages,
+ * so the long-context kernels are launched in every case (and leave at
+ * once where the context is short) */
 static void op_case(int rows, int q_heads, int kv_heads, int dim, int64_t p, int64_t window) {
     int n_blocks = (int)((p + M3_PAGE_TOKENS - 1) / M3_PAGE_TOKENS), n_pages = n_blocks + 3;
+    int cap = n_blocks + 40;
     int32_t *pages = gpu_xmalloc((size_t)(n_blocks + 1) * 4);
     for (int b = 0; b < n_blocks; b++) /* a shuffled table: page n_pages - 1 - b */
         pages[b] = n_pages - 1 - b;
@@ -102,7 +107,7 @@ static void op_case(int rows, int q_heads, int kv_heads, int dim, int64_t p, int
     for (int t = 0; t < rows; t++)
         pos[t] = p + t;
     if (g_cpu->ops->draft_attention(g_cpu, rows, q_heads, kv_heads, dim, q, bk, bv, kc, vc, pages,
-                                    pos, window, scale, ref)) {
+                                    cap, pos, window, scale, ref)) {
         fprintf(stderr, "test_cuda_draft: FATAL: the CPU op: %s\n", m3_last_error());
         exit(1);
     }
@@ -111,7 +116,8 @@ static void op_case(int rows, int q_heads, int kv_heads, int dim, int64_t p, int
     void *dvc = up(vc, (size_t)cn * 2, 0), *dpages = up(pages, (size_t)(n_blocks + 1) * 4, 0);
     void *dout = up(NULL, (size_t)qn * 2, GUARD), *dpos = up(pos, (size_t)rows * 8, 0);
     m3_status st = g_gpu->ops->draft_attention(g_gpu, rows, q_heads, kv_heads, dim, dq, dbk, dbv,
-                                               dkc, dvc, dpages, dpos, window, scale, dout);
+                                               dkc, dvc, dpages, cap, dpos, window, scale,
+                                               dout);
     if (!st)
         st = g_gpu->ops->sync(g_gpu);
     char shape[128];
@@ -169,6 +175,18 @@ static void test_op(void) {
             int64_t window = (i % 2) ? 0 : rows + rng_below(200);
             op_case(rows, heads[h].q, heads[h].kv, heads[h].dim, positions[i], window);
         }
+    /* long contexts: the keys split over CTAs (from 2,048 keys), with and
+     * without a window, at the split sizes' edges, 7 and 15 rows */
+    static const struct {
+        int rows, q, kv, dim;
+        int64_t p, window;
+    } longs[] = {{7, 16, 1, 128, 2048, 0},    {7, 16, 1, 128, 2047, 0},
+                 {7, 16, 1, 128, 9001, 0},    {7, 16, 1, 128, 20000, 4096},
+                 {15, 8, 2, 64, 33000, 0},    {3, 4, 4, 256, 12345, 2100},
+                 {7, 4, 1, 96, 5000, 0},      {1, 2, 1, 32, 70000, 0}};
+    for (size_t i = 0; i < sizeof longs / sizeof *longs; i++)
+        op_case(longs[i].rows, longs[i].q, longs[i].kv, longs[i].dim, longs[i].p,
+                longs[i].window);
 }
 
 /* kind 0: random; 1: ties at the maximum; 2: NaN scattered, +-inf; 3: NaN
