@@ -537,7 +537,8 @@ extern "C" m3_status m3_cuda_draft_markov(m3_backend *be, int n, const m3_tensor
                        "%lld, with the previous and next tokens", (long long)row_stride,
                        (long long)V);
     M3_TRY(markov_state(cu, false, &keys, &done));
-    MarkovArgs a = {static_cast<const uint16_t *>(w1->data), static_cast<const uint16_t *>(w2->data),
+    MarkovArgs a = {static_cast<const uint16_t *>(w1->data),
+                    static_cast<const uint16_t *>(w2->data),
                     w1->nb[0] / 2, w2->nb[0] / 2, prev, rows, row_stride, next, keys, done, n,
                     (int)V, (int)R, chunks};
     const int64_t tiles = (V + 15) / 16, per_cta = kMarkovThreads / 32;

@@ -121,8 +121,8 @@ __device__ __forceinline__ void signal_done(unsigned *c) {
  * that order in double, then a warp butterfly per warp and one over the
  * warps' sums. Here thread tid plays threads tid, tid + 256, ... of that
  * CTA: the same sums in the same order. */
-__device__ __forceinline__ void norm_row(const DLArgs &a, int t, const uint16_t *add, const uint16_t *w,
-                         uint16_t *out) {
+__device__ __forceinline__ void norm_row(const DLArgs &a, int t, const uint16_t *add,
+                                         const uint16_t *w, uint16_t *out) {
     __shared__ double scratch[32];
     const int nvec = a.H >> 3, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int items = nvec <= 1024 ? 1 : nvec <= 2048 ? 2 : nvec <= 4096 ? 4 : 8;
@@ -397,7 +397,8 @@ __device__ __forceinline__ void prefetch_item(const DLArgs &a, int layer, int ki
 }
 
 template <int NT>
-__global__ void __launch_bounds__(kThreads, 1) draft_layers_kernel(const __grid_constant__ DLArgs a) {
+__global__ void __launch_bounds__(kThreads, 1)
+    draft_layers_kernel(const __grid_constant__ DLArgs a) {
     __shared__ unsigned s_item;
     int count[kPhases], per_layer = 0;
 #pragma unroll

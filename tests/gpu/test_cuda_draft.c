@@ -326,8 +326,8 @@ static void markov_case(int V, int R, int n, int kind) {
     if (!st)
         st = op->linear(g_gpu, n, w1rows, &lin, M3_DT_F32, bias);
     for (int g = 0; !st && g < n; g++)
-        st = op->draft_argmax(g_gpu, V, (float *)rows_ops + g * stride, (float *)bias + (size_t)g * V,
-                              (int32_t *)tok_ops + g);
+        st = op->draft_argmax(g_gpu, V, (float *)rows_ops + g * stride,
+                              (float *)bias + (size_t)g * V, (int32_t *)tok_ops + g);
     if (!st)
         st = op->draft_markov(g_gpu, 0, &t1, &t2, NULL, NULL, 0, NULL);
     if (!st)
@@ -753,7 +753,8 @@ static void batch_case(const char *what, m3_model *m, const char *draft_dir, int
                             (size_t)g.s.n_steps * row * sizeof(float));
     bool lay_pass = ran && (small ? lay_same : lay_n > 0 && lay_rel <= TOL);
     printf("%s: fused drafter layers (%lld steps) vs the stock ops: %s, relL2 %.3g over the "
-           "rows both computed alike (%s): %s\n", what, ok ? (long long)g.s.kernel_draft_steps : 0LL,
+           "rows both computed alike (%s): %s\n", what,
+           ok ? (long long)g.s.kernel_draft_steps : 0LL,
            lay_same ? "bit-identical" : "differ", lay_rel,
            small ? "bits required" : "tolerance", lay_pass ? "PASS" : "FAIL");
     g_cases++;
