@@ -548,7 +548,6 @@ m3_status runner_build(m3_cuda *cu, const m3_draft_layers_args *a, Runner *r) {
     for (int i = 0; i < half; i++) /* the CPU's m3_rope_table expression, as the op's */
         freq[i] = pow(a->rope.theta, -(double)(2 * i) / (double)a->rope.rotary_dim);
     const int phases = kPhases * L + 1;
-    m3_status st = M3_OK;
     cudaError_t e = cudaMalloc(&r->layers, (size_t)L * sizeof *host);
     if (e == cudaSuccess)
         e = cudaMalloc(&r->inv_freq, sizeof freq);
@@ -601,7 +600,7 @@ m3_status runner_build(m3_cuda *cu, const m3_draft_layers_args *a, Runner *r) {
     g.limit = a->swiglu.limit;
     g.window = a->window;
     r->max_reqs = a->max_reqs;
-    return st;
+    return M3_OK;
 }
 
 } // namespace

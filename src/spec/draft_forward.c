@@ -177,17 +177,16 @@ static m3_status pick_kernels(m3_drafter *d) {
     if (r->kernels != M3_DRAFT_KERNELS_UNTRIED)
         return M3_OK;
     m3_backend *be = r->eng->be;
-    const char *env = getenv("M3_DRAFT_LAYERS");
-    if (env && *env && strcmp(env, "ops") && strcmp(env, "fused"))
-        return m3_fail(M3_ERR_INVALID_ARG, "M3_DRAFT_LAYERS=%s: expected ops or fused", env);
+    int fused;
+    M3_TRY(m3_draft_switch("M3_DRAFT_LAYERS", &fused));
     r->kernels = M3_DRAFT_KERNELS_OFF;
     if (!be->ops->draft_layers_build) {
         snprintf(r->kernels_off, sizeof r->kernels_off, "the %s backend has no fused drafter "
                  "kernels", be->ops->name);
         return M3_OK;
     }
-    if (!env || strcmp(env, "fused")) {
-        snprintf(r->kernels_off, sizeof r->kernels_off, "%s", env && *env
+    if (fused != 1) {
+        snprintf(r->kernels_off, sizeof r->kernels_off, "%s", fused == 0
                  ? "switched off by M3_DRAFT_LAYERS=ops"
                  : "off by default (slower than the stock ops so far; M3_DRAFT_LAYERS=fused "
                    "runs them)");

@@ -315,15 +315,25 @@ static m3_status set_taps_all(m3_engine *e, const int *layers, int n) {
     return first;
 }
 
+m3_status m3_draft_switch(const char *name, int *fused) {
+    const char *env = getenv(name);
+    *fused = -1;
+    if (!env || !*env)
+        return M3_OK;
+    if (strcmp(env, "ops") && strcmp(env, "fused"))
+        return m3_fail(M3_ERR_INVALID_ARG, "%s=%s: expected ops or fused", name, env);
+    *fused = !strcmp(env, "fused");
+    return M3_OK;
+}
+
 /* The Markov head's step as the backend's one op where it takes the
  * weights (the same bits as its three ops), unless M3_DRAFT_MARKOV=ops
  * asks for the three (tests and A/B runs compare them). */
 static m3_status pick_markov(m3_drafter *d, m3_backend *be) {
-    const char *env = getenv("M3_DRAFT_MARKOV");
-    if (env && *env && strcmp(env, "ops") && strcmp(env, "fused"))
-        return m3_fail(M3_ERR_INVALID_ARG, "M3_DRAFT_MARKOV=%s: expected ops or fused", env);
+    int fused;
+    M3_TRY(m3_draft_switch("M3_DRAFT_MARKOV", &fused));
     d->run.fused_markov = false;
-    if (!d->cfg.markov_rank || !be->ops->draft_markov || (env && !strcmp(env, "ops")))
+    if (!d->cfg.markov_rank || !be->ops->draft_markov || fused == 0)
         return M3_OK;
     m3_status st = be->ops->draft_markov(be, 0, &d->bw.markov_w1, &d->bw.markov_w2, NULL, NULL,
                                          0, NULL);

@@ -93,6 +93,12 @@ struct m3_drafter {
     m3_draft_run run;
 };
 
+/* The drafter's run-time switches between a fused path and its ops
+ * (M3_DRAFT_MARKOV, M3_DRAFT_LAYERS): *fused is 1 for "fused", 0 for
+ * "ops", -1 where the variable is unset or empty; another value is an
+ * error naming it. */
+m3_status m3_draft_switch(const char *name, int *fused);
+
 /* Bind d's runtime to engine e (allocating its cache and activations in
  * e's backend) and switch e's layer taps on; checks that e can run it. */
 m3_status m3_drafter_attach(m3_drafter *d, m3_engine *e);
