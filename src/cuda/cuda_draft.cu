@@ -88,7 +88,7 @@ struct SplitPlan {
 __device__ __forceinline__ SplitPlan split_plan(const DraftArgs &a, int splits, int max_per) {
     SplitPlan s;
     s.p = max(__ldg(a.pos), (int64_t)0);
-    s.lo = a.window > 0 && s.p - a.window + 1 > 0 ? s.p - a.window + 1 : 0;
+    s.lo = row_lo(a, s.p, 0);
     const int64_t n = s.p - s.lo;
     int64_t per = (n + kSplitWide - 1) / kSplitWide;
     per = per < kSplitMin ? kSplitMin : (per + 31) / 32 * 32;
@@ -96,14 +96,6 @@ __device__ __forceinline__ SplitPlan split_plan(const DraftArgs &a, int splits, 
     s.active = (int)((n + s.per - 1) / s.per);
     s.active = s.active < splits ? s.active : splits; /* (the host sized splits for n) */
     return s;
-}
-
-/* the first context key row t sees */
-__device__ __forceinline__ int64_t row_lo(const DraftArgs &a, int64_t p, int t) {
-    int64_t lo = 0;
-    if (a.window > 0 && p + t - a.window + 1 > 0)
-        lo = p + t - a.window + 1;
-    return lo < p ? lo : p;
 }
 
 template <int D>

@@ -86,6 +86,15 @@ __device__ __forceinline__ const uint16_t *draft_key(const DraftArgs &a, int g, 
     return (value ? a.bv : a.bk) + ((i - n_ctx) * a.kv_heads + g) * D;
 }
 
+/* The first context key row t of a block at position p sees: the
+ * window's, or 0 (never past p). */
+__device__ __forceinline__ int64_t row_lo(const DraftArgs &a, int64_t p, int t) {
+    int64_t lo = 0;
+    if (a.window > 0 && p + t - a.window + 1 > 0)
+        lo = p + t - a.window + 1;
+    return lo < p ? lo : p;
+}
+
 /* Row t's query head h over its keys (the CTA's kDraftThreads threads;
  * the kernel below is one item a CTA, the fused drafter layers run many
  * items a CTA, a barrier between them). CG: the block's q, k and v were
@@ -99,11 +108,7 @@ __device__ __forceinline__ void draft_attention_item(const DraftArgs &a, int t, 
     const int g = h / (a.q_heads / a.kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t p = max(__ldg(a.pos), (int64_t)0);
-    int64_t lo = 0;
-    if (a.window > 0 && p + t - a.window + 1 > 0)
-        lo = p + t - a.window + 1;
-    if (lo > p)
-        lo = p;
+    const int64_t lo = row_lo(a, p, t);
     const int64_t n_ctx = p - lo, n = n_ctx + a.rows;
     float q[E], acc[E];
     const uint16_t *qrow = a.q + ((int64_t)t * a.q_heads + h) * D + lane * E;
