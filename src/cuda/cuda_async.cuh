@@ -463,15 +463,19 @@ struct WarpAttn {
     float l[2]; /* this lane's share of the sum of p (bf16-rounded p) */
 };
 
-/* New running max from the tile's scores; rescales o and l. ref: the
- * subtrahend for this tile's p (the max, or 0 while every key is masked,
- * so exp2 never sees -inf - -inf). */
-template <int D>
-__device__ __forceinline__ void attn_rescale(WarpAttn<D> &w, const float (&s)[2][4],
+/* New running max from the tile's scores (NT n-tiles of 8 keys: 2 for the
+ * attention tile's 16 keys, 4 for the drafter's 32); rescales o and l.
+ * ref: the subtrahend for this tile's p (the max, or 0 while every key is
+ * masked, so exp2 never sees -inf - -inf). */
+template <int D, int NT = 2>
+__device__ __forceinline__ void attn_rescale(WarpAttn<D> &w, const float (&s)[NT][4],
                                              float (&ref)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+#pragma unroll
+        for (int nt = 2; nt < NT; nt++)
+            mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         float m_new = fmaxf(w.m[r], mx);

@@ -427,6 +427,16 @@ static m3_status check_device(int device, cudaDeviceProp *prop) {
     return M3_OK;
 }
 
+/* The drafter attention's context length from which the split kernels
+ * run (cuda_draft_split.cu): M3_DRAFT_SPLIT_FROM, a count of keys (1 or
+ * more), else the default. */
+static int64_t draft_split_from(void) {
+    const char *v = getenv("M3_DRAFT_SPLIT_FROM");
+    char *end = NULL;
+    long long x = v && *v ? strtoll(v, &end, 10) : 0;
+    return x >= 1 && end && *end == '\0' ? (int64_t)x : M3_CUDA_DRAFT_SPLIT_FROM;
+}
+
 extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     *out = NULL;
     cudaDeviceProp prop;
@@ -443,6 +453,7 @@ extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     cu->device = device;
     cu->sm_count = prop.multiProcessorCount;
     cu->l2_bytes = (size_t)prop.l2CacheSize;
+    cu->draft_split_from = draft_split_from();
     m3_status st = M3_OK;
     cudaError_t err = cudaSetDevice(device);
     if (err == cudaSuccess)

@@ -38,218 +38,15 @@ namespace {
 
 using namespace m3draft;
 
-/* split: the long-context kernels below were launched too, and take the
- * contexts of kSplitFrom keys or more */
+/* Contexts of split_from keys or more are left to the split kernels
+ * (cuda_draft_split.cu), launched after this one where the table reaches
+ * them (split_from INT64_MAX where it does not). */
 template <int D>
 __global__ void __launch_bounds__(kDraftThreads) draft_attention_kernel(const DraftArgs a,
-                                                                        bool split);
-
-/* ---- long contexts: the keys split over CTAs, every query of a KV group
- * run against a split's keys from shared memory ----
- * The kernel above gives each (row, query head) its own CTA, each walking
- * the whole context: at 32K keys the 7 rows x 16 heads of a KV group read
- * its keys 112 times (1.7 ms a draft layer on an H100, docs/PERF.md,
- * forty-fifth session). Here a CTA takes one split of up to kSplitKeys
- * context keys of one KV head, loads their K and V rows into shared
- * memory once, and runs every query of the group against them (a warp
- * per query at a time: a lane per key for the scores, a lane per D / 32
- * dims for the values), keeping an online softmax per query; it writes
- * (m, l, acc) per (query, split). draft_merge_kernel then takes a query's
- * splits and the block's own keys into one softmax. The grid is fixed by
- * the block table's capacity (so a graph serves every position); splits
- * past the block's position leave at once, and both kernels leave at once
- * where the context is short enough for the kernel above (kSplitFrom
- * keys), which then runs: all three are launched, one does the work. */
-constexpr int kSplitFrom = 2048;   /* context keys from which the split kernels run */
-constexpr int kSplitMin = 64;      /* fewest keys a split takes */
-constexpr int kSplitWide = 128;    /* splits a KV head has at least, where the keys allow */
-constexpr int kSplitMax = 8192;    /* most splits of a KV head (2M keys at head dim 128) */
-
-template <int D>
-__host__ __device__ constexpr int split_keys() { /* K and V rows of a split: ~128 KB */
-    return 32768 / D / 32 * 32;
-}
-
-struct SplitArgs {
-    DraftArgs a;
-    float *part;   /* [splits][rows * q_heads][D + 2]: acc, m, l */
-    int splits;    /* the grid's splits a KV head */
-};
-
-/* The context every row's range lies in ([lo, p): row 0's, the widest),
- * and how it is split: `per` keys a split (kSplitWide splits where each
- * then has kSplitMin keys or more and fits shared memory), `active`
- * splits (never more than the grid's: the host sized it for the table). */
-struct SplitPlan {
-    int64_t p, lo;
-    int per, active;
-};
-
-__device__ __forceinline__ SplitPlan split_plan(const DraftArgs &a, int splits, int max_per) {
-    SplitPlan s;
-    s.p = max(__ldg(a.pos), (int64_t)0);
-    s.lo = row_lo(a, s.p, 0);
-    const int64_t n = s.p - s.lo;
-    int64_t per = (n + kSplitWide - 1) / kSplitWide;
-    per = per < kSplitMin ? kSplitMin : (per + 31) / 32 * 32;
-    s.per = (int)(per < max_per ? per : max_per);
-    s.active = (int)((n + s.per - 1) / s.per);
-    s.active = s.active < splits ? s.active : splits; /* (the host sized splits for n) */
-    return s;
-}
-
-template <int D>
-__global__ void __launch_bounds__(kDraftThreads) draft_split_kernel(const SplitArgs sa) {
-    constexpr int E = D / 32, KS = split_keys<D>(), KW = D / 2 + 1; /* K row: words, padded */
-    extern __shared__ __align__(16) uint32_t smem[];
-    uint32_t *ks = smem;                                   /* [KS][KW] */
-    uint16_t *vs = reinterpret_cast<uint16_t *>(smem + KS * KW); /* [KS][D] */
-    float *qs = reinterpret_cast<float *>(vs + KS * D);    /* [warps][D] */
-    const DraftArgs &a = sa.a;
-    const int g = blockIdx.x, s = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const SplitPlan pl = split_plan(a, sa.splits, KS);
-    if (pl.p - pl.lo < kSplitFrom || s >= pl.active)
+                                                                        int64_t split_from) {
+    const int64_t p = max(__ldg(a.pos), (int64_t)0);
+    if (p - row_lo(a, p, 0) >= split_from)
         return;
-    const int64_t k0 = pl.lo + (int64_t)s * pl.per, k1 = min(pl.p, k0 + pl.per);
-    const int nk = (int)(k1 - k0);
-    /* the split's K and V rows, 8 bf16 a load */
-    for (int i = threadIdx.x; i < nk * (D / 8); i += kDraftThreads) {
-        const int key = i / (D / 8), c = i % (D / 8);
-        const int64_t pos = k0 + key, page = __ldg(a.pages + pos / M3_PAGE);
-        const int64_t off = ((page * a.kv_heads + g) * M3_PAGE + pos % M3_PAGE) * D + c * 8;
-        const uint4 kv = __ldg(reinterpret_cast<const uint4 *>(a.kc + off));
-        const uint4 vv = __ldg(reinterpret_cast<const uint4 *>(a.vc + off));
-        uint32_t *kr = ks + key * KW + c * 4; /* (4-byte aligned only: the padding) */
-        kr[0] = kv.x, kr[1] = kv.y, kr[2] = kv.z, kr[3] = kv.w;
-        *reinterpret_cast<uint4 *>(vs + key * D + c * 8) = vv;
-    }
-    __syncthreads();
-    const int G = a.q_heads / a.kv_heads, Q = a.rows * G;
-    float *qw = qs + warp * D;
-    for (int qi = warp; qi < Q; qi += kDraftWarps) {
-        const int t = qi / G, h = g * G + qi % G;
-        const int64_t lo_t = row_lo(a, pl.p, t);
-        const uint16_t *qrow = a.q + ((int64_t)t * a.q_heads + h) * D;
-        for (int d = lane; d < D; d += 32)
-            qw[d] = m3_bf(qrow[d]);
-        __syncwarp();
-        float m = -INFINITY, l = 0.0f, acc[E];
-#pragma unroll
-        for (int e = 0; e < E; e++)
-            acc[e] = 0.0f;
-        for (int j0 = 0; j0 < nk; j0 += 32) {
-            const int j = j0 + lane;
-            const bool valid = j < nk && k0 + j >= lo_t;
-            float dot = 0.0f;
-            if (j < nk) {
-                const uint32_t *kr = ks + j * KW;
-#pragma unroll 8
-                for (int w = 0; w < D / 2; w++) {
-                    const uint32_t kk = kr[w];
-                    dot = fmaf(qw[2 * w], __uint_as_float(kk << 16), dot);
-                    dot = fmaf(qw[2 * w + 1], __uint_as_float(kk & 0xffff0000u), dot);
-                }
-            }
-            const float sc = valid ? dot * a.scale : -INFINITY;
-            const float m_new = fmaxf(m, m3_warp_max(sc));
-            if (m_new == -INFINITY) /* no key of this row yet (warp-uniform) */
-                continue;
-            const float c = m == -INFINITY ? 0.0f : expf(m - m_new);
-            const float pr = valid ? expf(sc - m_new) : 0.0f;
-            l = l * c + m3_warp_sum(pr);
-#pragma unroll
-            for (int e = 0; e < E; e++)
-                acc[e] *= c;
-            const int nj = min(32, nk - j0);
-            for (int jj = 0; jj < nj; jj++) {
-                const float pj = __shfl_sync(0xffffffffu, pr, jj);
-                const uint16_t *vr = vs + (j0 + jj) * D + lane * E;
-#pragma unroll
-                for (int e = 0; e < E; e++)
-                    acc[e] = fmaf(pj, m3_bf(vr[e]), acc[e]);
-            }
-            m = m_new;
-        }
-        float *o = sa.part + ((int64_t)s * Q * a.kv_heads + (int64_t)t * a.q_heads + h) * (D + 2);
-#pragma unroll
-        for (int e = 0; e < E; e++)
-            o[lane * E + e] = acc[e];
-        if (lane == 0) {
-            o[D] = m;
-            o[D + 1] = l;
-        }
-        __syncwarp(); /* qw is this warp's next query's */
-    }
-}
-
-/* One warp per (row, query head): the splits' partials and the block's
- * own keys (every row of it, no causal order) as one softmax. */
-template <int D>
-__global__ void __launch_bounds__(kDraftThreads) draft_merge_kernel(const SplitArgs sa) {
-    constexpr int E = D / 32;
-    const DraftArgs &a = sa.a;
-    const int lane = threadIdx.x & 31;
-    const int qi = blockIdx.x * kDraftWarps + (threadIdx.x >> 5);
-    const SplitPlan pl = split_plan(a, sa.splits, split_keys<D>());
-    if (pl.p - pl.lo < kSplitFrom || qi >= a.rows * a.q_heads)
-        return;
-    const int g = (qi % a.q_heads) / (a.q_heads / a.kv_heads);
-    const int64_t Qall = (int64_t)a.rows * a.q_heads;
-    float q[E];
-#pragma unroll
-    for (int e = 0; e < E; e++)
-        q[e] = m3_bf(a.q[(int64_t)qi * D + lane * E + e]);
-    /* the block's keys' scores (the same in every lane) */
-    float sb[M3_CUDA_DRAFT_MAX_ROWS];
-    float mx = -INFINITY;
-    for (int b = 0; b < a.rows; b++) {
-        const uint16_t *kr = a.bk + ((int64_t)b * a.kv_heads + g) * D + lane * E;
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; e++)
-            dot = fmaf(q[e], m3_bf(kr[e]), dot);
-        sb[b] = m3_warp_sum(dot) * a.scale;
-        mx = fmaxf(mx, sb[b]);
-    }
-    for (int s = 0; s < pl.active; s++)
-        mx = fmaxf(mx, sa.part[((int64_t)s * Qall + qi) * (D + 2) + D]);
-    float l = 0.0f, acc[E];
-#pragma unroll
-    for (int e = 0; e < E; e++)
-        acc[e] = 0.0f;
-    for (int s = 0; s < pl.active; s++) {
-        const float *pp = sa.part + ((int64_t)s * Qall + qi) * (D + 2);
-        const float ms = pp[D];
-        if (ms == -INFINITY) /* a split with none of this row's keys */
-            continue;
-        const float f = expf(ms - mx);
-        l = fmaf(pp[D + 1], f, l);
-#pragma unroll
-        for (int e = 0; e < E; e++)
-            acc[e] = fmaf(pp[lane * E + e], f, acc[e]);
-    }
-    for (int b = 0; b < a.rows; b++) {
-        const float f = expf(sb[b] - mx);
-        const uint16_t *vr = a.bv + ((int64_t)b * a.kv_heads + g) * D + lane * E;
-        l += f;
-#pragma unroll
-        for (int e = 0; e < E; e++)
-            acc[e] = fmaf(f, m3_bf(vr[e]), acc[e]);
-    }
-    uint16_t *out = a.out + (int64_t)qi * D + lane * E;
-#pragma unroll
-    for (int e = 0; e < E; e++)
-        out[e] = m3_to_bf(acc[e] / l);
-}
-
-template <int D>
-__global__ void __launch_bounds__(kDraftThreads) draft_attention_kernel(const DraftArgs a,
-                                                                        bool split) {
-    if (split) {
-        const SplitPlan pl = split_plan(a, 1, 1);
-        if (pl.p - pl.lo >= kSplitFrom)
-            return;
-    }
     draft_attention_item<D, false>(a, blockIdx.x / a.q_heads, blockIdx.x % a.q_heads);
 }
 
@@ -258,41 +55,11 @@ static m3_status launch_draft_attention(m3_cuda *cu, const DraftArgs &a, int max
     const unsigned grid = (unsigned)(a.rows * a.q_heads);
     const int64_t keys = (int64_t)max_blocks * M3_PAGE;
     const int64_t most = a.window > 0 && a.window < keys ? a.window : keys;
-    const bool split = most >= kSplitFrom; /* a position of this table reaches them */
-    draft_attention_kernel<D><<<grid, kDraftThreads, 0, cu->stream>>>(a, split);
+    const int64_t from = cu->draft_split_from;
+    const bool split = most >= from; /* a position of this table reaches them */
+    draft_attention_kernel<D><<<grid, kDraftThreads, 0, cu->stream>>>(a, split ? from : INT64_MAX);
     M3_CUDA_LAUNCHED("draft_attention_kernel");
-    if (!split)
-        return M3_OK;
-    if (a.rows > M3_CUDA_DRAFT_MAX_ROWS)
-        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %d block rows over a long context "
-                       "(at most %d)", a.rows, M3_CUDA_DRAFT_MAX_ROWS);
-    /* up to kSplitWide splits of kSplitMin keys or more; past that, as many
-     * full splits as the keys need */
-    int64_t splits = (most + kSplitMin - 1) / kSplitMin;
-    splits = splits < kSplitWide ? splits : kSplitWide;
-    const int64_t full = (most + split_keys<D>() - 1) / split_keys<D>();
-    splits = splits > full ? splits : full;
-    if (splits > kSplitMax)
-        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %lld context keys at head dim %d "
-                       "(at most %lld)", (long long)most, D,
-                       (long long)kSplitMax * split_keys<D>());
-    SplitArgs sa = {a, nullptr, (int)splits};
-    const size_t part = (size_t)splits * a.rows * a.q_heads * (D + 2) * sizeof(float);
-    if ((int64_t)a.kv_heads * splits > INT32_MAX || splits > 65535)
-        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %lld splits", (long long)splits);
-    M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_DRAFT, part, (void **)&sa.part));
-    constexpr int KS = split_keys<D>();
-    const size_t smem = ((size_t)KS * (D / 2 + 1)) * 4 + (size_t)KS * D * 2 +
-                        (size_t)kDraftWarps * D * 4;
-    M3_CUDA_TRY(cudaFuncSetAttribute(draft_split_kernel<D>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    draft_split_kernel<D><<<dim3((unsigned)a.kv_heads, (unsigned)splits), kDraftThreads, smem,
-                            cu->stream>>>(sa);
-    M3_CUDA_LAUNCHED("draft_split_kernel");
-    draft_merge_kernel<D><<<(grid + kDraftWarps - 1) / kDraftWarps, kDraftThreads, 0,
-                            cu->stream>>>(sa);
-    M3_CUDA_LAUNCHED("draft_merge_kernel");
-    return M3_OK;
+    return split ? m3_draft_split_launch(cu, a, D, most, from) : M3_OK;
 }
 
 __global__ void draft_add_kernel(int vocab, float *row, const float *bias) {

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "cuda/cuda_common.cuh"
+#include "cuda/cuda_internal.h"
 
 namespace m3draft {
 
@@ -188,5 +189,12 @@ __device__ __forceinline__ void draft_attention_item(const DraftArgs &a, int t, 
 
 
 } // namespace m3draft
+
+/* The long-context kernels (cuda_draft_split.cu) for the op's arguments:
+ * the split kernel and the merge, sized for `most` context keys, doing
+ * the work at positions with split_from context keys or more (the
+ * short-context kernel, launched before, leaves those). */
+m3_status m3_draft_split_launch(m3_cuda *cu, const m3draft::DraftArgs &a, int dim, int64_t most,
+                                int64_t split_from);
 
 #endif

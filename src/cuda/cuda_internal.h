@@ -51,6 +51,8 @@ typedef struct m3_cuda {
     int device;
     int sm_count;
     size_t l2_bytes;
+    int64_t draft_split_from; /* drafter context keys from which its attention splits them
+                               * over CTAs (M3_DRAFT_SPLIT_FROM) */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void *cublas_workspace;

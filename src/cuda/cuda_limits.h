@@ -20,5 +20,8 @@
 #define M3_CUDA_MOE_ALIGN 32          /* hidden and expert widths: multiples of this */
 #define M3_CUDA_SAMPLE_MAX_VOCAB (1 << 30) /* int ids and offsets never overflow */
 #define M3_CUDA_DRAFT_MAX_ROWS 16     /* draft_attention over a long context: block rows */
+#define M3_CUDA_DRAFT_SPLIT_FROM 256  /* draft_attention: context keys from which they are
+                                       * split over CTAs (M3_DRAFT_SPLIT_FROM; docs/PERF.md,
+                                       * forty-sixth session) */
 
 #endif
