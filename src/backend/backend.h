@@ -196,7 +196,10 @@ typedef struct m3_backend_ops {
                            float scale, uint16_t *out);
 
     /* The DSpark drafter's attention (docs/DSPARK.md; NULL: the backend
-     * has none): query rows q [rows, q_heads, dim] at positions p + t, where
+     * has none), for `requests` requests at once, each as follows on its
+     * slices (request i: q, out + i * rows * q_heads * dim; bk, bv + i *
+     * rows * kv_heads * dim; pages + i * max_blocks; pos + i * rows): its
+     * query rows q [rows, q_heads, dim] at positions p + t, where
      * p = pos[0] (backend memory, >= 0: the block's first position, read by
      * the op, so a graph of the draft step serves every position), each
      * over the context keys of kcache / vcache (the drafter's paged cache,
@@ -206,7 +209,8 @@ typedef struct m3_backend_ops {
      * softmax as attention's; out [rows, q_heads, dim] bf16 per head.
      * max_blocks: the block table's capacity (the most pages any position
      * replayed from a graph may reach), which sizes a GPU's launches. */
-    m3_status (*draft_attention)(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
+    m3_status (*draft_attention)(m3_backend *be, int requests, int rows, int q_heads,
+                                 int kv_heads, int dim,
                                  const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
                                  const uint16_t *kcache, const uint16_t *vcache,
                                  const int32_t *pages, int max_blocks, const int64_t *pos,

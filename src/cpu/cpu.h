@@ -142,7 +142,8 @@ m3_status m3_cpu_moe(m3_backend *be, int rows, const uint16_t *x, const m3_layer
                      const m3_moe_params *p, uint16_t *out);
 
 /* backend op draft_attention (cpu_draft.c) */
-m3_status m3_cpu_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
+m3_status m3_cpu_draft_attention(m3_backend *be, int requests, int rows, int q_heads,
+                                 int kv_heads, int dim,
                                  const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
                                  const uint16_t *kcache, const uint16_t *vcache,
                                  const int32_t *pages, int max_blocks, const int64_t *pos,

@@ -80,22 +80,30 @@ static void draft_chunk(void *ctx, int64_t begin, int64_t end, int thread) {
     }
 }
 
-m3_status m3_cpu_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
-                                 const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
-                                 const uint16_t *kcache, const uint16_t *vcache,
-                                 const int32_t *pages, int max_blocks, const int64_t *pos,
-                                 int64_t window, float scale, uint16_t *out) {
-    (void)max_blocks; /* (sizes a GPU's launches) */
-    int64_t p = pos ? pos[0] : -1;
-    if (rows < 1 || p < 0 || window < 0 || kv_heads < 1 || q_heads % kv_heads)
-        return m3_fail(M3_ERR_INVALID_ARG, "draft attention: %d rows at position %lld, window "
-                       "%lld, %d / %d heads", rows, (long long)p, (long long)window, q_heads,
-                       kv_heads);
+m3_status m3_cpu_draft_attention(m3_backend *be, int requests, int rows, int q_heads,
+                                 int kv_heads, int dim, const uint16_t *q, const uint16_t *bk,
+                                 const uint16_t *bv, const uint16_t *kcache,
+                                 const uint16_t *vcache, const int32_t *pages, int max_blocks,
+                                 const int64_t *pos, int64_t window, float scale, uint16_t *out) {
+    if (requests < 1 || rows < 1 || !pos || max_blocks < 0 || window < 0 || q_heads < 1 ||
+        kv_heads < 1 || q_heads % kv_heads)
+        return m3_fail(M3_ERR_INVALID_ARG, "draft attention: %d requests of %d rows, a block "
+                       "table of %d pages, window %lld, %d / %d heads, positions %s", requests,
+                       rows, max_blocks, (long long)window, q_heads, kv_heads,
+                       pos ? "given" : "missing");
     m3_cpu *cpu = m3_cpu_of(be);
-    draft_job j = {cpu, rows, q_heads, kv_heads, dim, q, bk, bv, kcache, vcache, pages,
-                   p, window, scale, out, p + rows};
-    M3_TRY(m3_cpu_thread_scratch(cpu, (size_t)dim * 4 + 2 + (size_t)j.max_keys));
-    m3_pool_for(cpu->pool, (int64_t)rows * q_heads, 1, draft_chunk, &j);
+    size_t q_rows = (size_t)rows * q_heads * dim, kv_rows = (size_t)rows * kv_heads * dim;
+    for (int i = 0; i < requests; i++) {
+        int64_t p = pos[(size_t)i * rows];
+        if (p < 0)
+            return m3_fail(M3_ERR_INVALID_ARG, "draft attention: request %d at position %lld",
+                           i, (long long)p);
+        draft_job j = {cpu, rows, q_heads, kv_heads, dim, q + i * q_rows, bk + i * kv_rows,
+                       bv + i * kv_rows, kcache, vcache, pages + (size_t)i * max_blocks,
+                       p, window, scale, out + i * q_rows, p + rows};
+        M3_TRY(m3_cpu_thread_scratch(cpu, (size_t)dim * 4 + 2 + (size_t)j.max_keys));
+        m3_pool_for(cpu->pool, (int64_t)rows * q_heads, 1, draft_chunk, &j);
+    }
     return M3_OK;
 }
 

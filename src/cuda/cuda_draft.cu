@@ -42,18 +42,20 @@ using namespace m3draft;
  * (cuda_draft_split.cu), launched after this one where the table reaches
  * them (split_from INT64_MAX where it does not). */
 template <int D>
-__global__ void __launch_bounds__(kDraftThreads) draft_attention_kernel(const DraftArgs a,
+__global__ void __launch_bounds__(kDraftThreads) draft_attention_kernel(const DraftArgs all,
                                                                         int64_t split_from) {
+    const int per_request = all.rows * all.q_heads, i = blockIdx.x % per_request;
+    const DraftArgs a = request_view<D>(all, blockIdx.x / per_request);
     const int64_t p = max(__ldg(a.pos), (int64_t)0);
     if (p - row_lo(a, p, 0) >= split_from)
         return;
-    draft_attention_item<D, false>(a, blockIdx.x / a.q_heads, blockIdx.x % a.q_heads);
+    draft_attention_item<D, false>(a, i / a.q_heads, i % a.q_heads);
 }
 
 template <int D>
-static m3_status launch_draft_attention(m3_cuda *cu, const DraftArgs &a, int max_blocks) {
-    const unsigned grid = (unsigned)(a.rows * a.q_heads);
-    const int64_t keys = (int64_t)max_blocks * M3_PAGE;
+static m3_status launch_draft_attention(m3_cuda *cu, const DraftArgs &a) {
+    const unsigned grid = (unsigned)(a.requests * a.rows * a.q_heads);
+    const int64_t keys = (int64_t)a.max_blocks * M3_PAGE;
     const int64_t most = a.window > 0 && a.window < keys ? a.window : keys;
     const int64_t from = cu->draft_split_from;
     const bool split = most >= from; /* a position of this table reaches them */
@@ -219,35 +221,36 @@ extern "C" m3_status m3_cuda_draft_argmax(m3_backend *be, int vocab, float *row,
     return M3_OK;
 }
 
-extern "C" m3_status m3_cuda_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads,
-                                             int dim, const uint16_t *q, const uint16_t *bk,
+extern "C" m3_status m3_cuda_draft_attention(m3_backend *be, int requests, int rows,
+                                             int q_heads, int kv_heads, int dim,
+                                             const uint16_t *q, const uint16_t *bk,
                                              const uint16_t *bv, const uint16_t *kcache,
                                              const uint16_t *vcache, const int32_t *pages,
                                              int max_blocks, const int64_t *pos, int64_t window,
                                              float scale, uint16_t *out) {
     m3_cuda *cu = m3_cuda_of(be);
-    /* (pos[0] is in device memory: the caller checked it; a negative one
-     * reads no context) */
-    if (rows < 1 || !pos || window < 0 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads)
-        return m3_fail(M3_ERR_INVALID_ARG, "draft attention: %d rows, window %lld, %d / %d "
-                       "heads, positions %s", rows, (long long)window, q_heads, kv_heads,
+    /* (the positions are in device memory: the caller checked them; a
+     * negative one reads no context) */
+    if (requests < 1 || rows < 1 || !pos || window < 0 || q_heads < 1 || kv_heads < 1 ||
+        q_heads % kv_heads || max_blocks < 0)
+        return m3_fail(M3_ERR_INVALID_ARG, "draft attention: %d requests of %d rows, a block "
+                       "table of %d pages, window %lld, %d / %d heads, positions %s", requests,
+                       rows, max_blocks, (long long)window, q_heads, kv_heads,
                        pos ? "given" : "missing");
-    if ((int64_t)rows * q_heads > INT32_MAX)
-        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %d rows x %d heads", rows, q_heads);
-    DraftArgs a = {q, bk, bv, kcache, vcache, pages, pos, window, rows, q_heads, kv_heads, scale,
-                   out};
-    if (max_blocks < 0)
-        return m3_fail(M3_ERR_INVALID_ARG, "draft attention: a block table of %d pages",
-                       max_blocks);
+    if ((int64_t)requests * rows * q_heads > INT32_MAX)
+        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %d requests x %d rows x %d heads",
+                       requests, rows, q_heads);
+    DraftArgs a = {q,    bk,      bv,       kcache, vcache, pages,    pos,       window,
+                   rows, q_heads, kv_heads, scale,  out,    requests, max_blocks};
     switch (dim) {
-    case 32: return launch_draft_attention<32>(cu, a, max_blocks);
-    case 64: return launch_draft_attention<64>(cu, a, max_blocks);
-    case 96: return launch_draft_attention<96>(cu, a, max_blocks);
-    case 128: return launch_draft_attention<128>(cu, a, max_blocks);
-    case 160: return launch_draft_attention<160>(cu, a, max_blocks);
-    case 192: return launch_draft_attention<192>(cu, a, max_blocks);
-    case 224: return launch_draft_attention<224>(cu, a, max_blocks);
-    case 256: return launch_draft_attention<256>(cu, a, max_blocks);
+    case 32: return launch_draft_attention<32>(cu, a);
+    case 64: return launch_draft_attention<64>(cu, a);
+    case 96: return launch_draft_attention<96>(cu, a);
+    case 128: return launch_draft_attention<128>(cu, a);
+    case 160: return launch_draft_attention<160>(cu, a);
+    case 192: return launch_draft_attention<192>(cu, a);
+    case 224: return launch_draft_attention<224>(cu, a);
+    case 256: return launch_draft_attention<256>(cu, a);
     default:
         return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: head dim %d is not supported "
                        "(multiples of 32 up to 256)", dim);

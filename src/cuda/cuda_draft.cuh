@@ -72,7 +72,27 @@ struct DraftArgs {
     int rows, q_heads, kv_heads;
     float scale;
     uint16_t *out;
+    int requests;   /* the op's: request r's arrays at the strides of request_view */
+    int max_blocks; /* pages a request's block table holds */
 };
+
+/* Request r's arguments (the op's layout, backend.h draft_attention:
+ * rows of q, out, bk, bv, positions and block tables one request after
+ * another), a request of one. */
+template <int D>
+__device__ __forceinline__ DraftArgs request_view(const DraftArgs &a, int r) {
+    DraftArgs v = a;
+    const int64_t qn = (int64_t)r * a.rows * a.q_heads * D;
+    const int64_t kn = (int64_t)r * a.rows * a.kv_heads * D;
+    v.q += qn;
+    v.out += qn;
+    v.bk += kn;
+    v.bv += kn;
+    v.pages += (int64_t)r * a.max_blocks;
+    v.pos += (int64_t)r * a.rows;
+    v.requests = 1;
+    return v;
+}
 
 /* Key (or value) i of row t's list, KV head g: context position lo + i
  * while i < n_ctx, else block row i - n_ctx. */

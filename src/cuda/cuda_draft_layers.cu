@@ -354,7 +354,8 @@ __device__ __forceinline__ void attn_item(const DLArgs &a, const DLayer &L, int 
     const int64_t qo = (int64_t)g * a.B * a.Nq * kDim, ko = (int64_t)g * a.B * a.Nkv * kDim;
     const DraftArgs d = {a.q + qo, a.k + ko, a.v + ko, L.kc, L.vc,
                          a.pages + (int64_t)g * a.max_blocks, a.positions + (int64_t)g * a.B,
-                         a.window, a.B, a.Nq, a.Nkv, a.scale, a.attn + qo};
+                         a.window, a.B, a.Nq, a.Nkv, a.scale, a.attn + qo, 1,
+                         a.max_blocks};
     draft_attention_item<kDim, true>(d, t - g * a.B, h);
 }
 

@@ -61,9 +61,10 @@ struct SplitLayout {
 };
 
 struct SplitArgs {
-    DraftArgs a;
-    float *part;         /* [splits][rows * q_heads][D + 2]: acc, m (log2 units), l */
+    DraftArgs a;         /* every request's (request_view takes one's) */
+    float *part;         /* [requests][splits][rows * q_heads][D + 2]: acc, m (log2 units), l */
     int splits;          /* the grid's splits a KV head */
+    int passes;          /* the grid's query passes a request */
     int64_t split_from;  /* context keys from which these kernels run */
 };
 
@@ -77,10 +78,10 @@ struct SplitPlan {
     bool on;
 };
 
-__device__ __forceinline__ SplitPlan split_plan(const SplitArgs &sa) {
+__device__ __forceinline__ SplitPlan split_plan(const SplitArgs &sa, const DraftArgs &a) {
     SplitPlan s;
-    s.p = max(__ldg(sa.a.pos), (int64_t)0);
-    s.lo = row_lo(sa.a, s.p, 0);
+    s.p = max(__ldg(a.pos), (int64_t)0);
+    s.lo = row_lo(a, s.p, 0);
     const int64_t n = s.p - s.lo;
     s.on = n >= sa.split_from;
     int64_t per = (n + sa.splits - 1) / sa.splits;
@@ -174,8 +175,8 @@ __device__ __forceinline__ void chunk_tile(WarpAttn<D> &w, const unsigned char *
     }
 }
 
-/* grid (kv_heads, splits, query passes of kPassQ); dynamic shared memory:
- * SplitLayout<D>::kFixed plus the split's page ids. */
+/* grid (kv_heads, splits, requests x query passes of kPassQ); dynamic
+ * shared memory: SplitLayout<D>::kFixed plus the split's page ids. */
 template <int D>
 __global__ void __launch_bounds__(kDraftThreads) draft_split_kernel(const SplitArgs sa) {
     using L = SplitLayout<D>;
@@ -183,10 +184,12 @@ __global__ void __launch_bounds__(kDraftThreads) draft_split_kernel(const SplitA
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned char *sq = smem, *sk = smem + L::kQ, *sv = sk + kStages * L::kStage;
     int32_t *spg = reinterpret_cast<int32_t *>(smem + L::kFixed);
-    const DraftArgs &a = sa.a;
+    const int req = blockIdx.z / sa.passes;
+    const DraftArgs a = request_view<D>(sa.a, req);
     const int g = blockIdx.x, s = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const SplitPlan pl = split_plan(sa);
-    const int G = a.q_heads / a.kv_heads, Q = a.rows * G, q0 = blockIdx.z * kPassQ;
+    const SplitPlan pl = split_plan(sa, a);
+    const int G = a.q_heads / a.kv_heads, Q = a.rows * G;
+    const int q0 = (blockIdx.z % sa.passes) * kPassQ;
     if (!pl.on || s >= pl.active || q0 >= Q)
         return;
     const int64_t k0 = pl.lo + (int64_t)s * pl.per, k1 = min(pl.p, k0 + pl.per);
@@ -251,7 +254,7 @@ __global__ void __launch_bounds__(kDraftThreads) draft_split_kernel(const SplitA
         if (qi >= Q)
             continue;
         const int64_t row = (int64_t)(qi / G) * a.q_heads + (int64_t)g * G + qi % G;
-        float *o = sa.part + ((int64_t)s * Qall + row) * (D + 2);
+        float *o = sa.part + (((int64_t)req * sa.splits + s) * Qall + row) * (D + 2);
 #pragma unroll
         for (int n = 0; n < D / 8; n++)
             *reinterpret_cast<float2 *>(o + n * 8 + 2 * (lane & 3)) =
@@ -276,16 +279,17 @@ __global__ void __launch_bounds__(kDraftThreads) draft_merge_kernel(const SplitA
     constexpr int E = D / 32, U = 4; /* U: splits a warp has in flight */
     __shared__ float s_m[kDraftWarps], s_l[kDraftWarps], s_sb[M3_CUDA_DRAFT_MAX_ROWS];
     __shared__ float s_acc[kDraftWarps][D];
-    const DraftArgs &a = sa.a;
+    const int64_t Qall = (int64_t)sa.a.rows * sa.a.q_heads;
+    const int req = (int)(blockIdx.x / Qall), qi = (int)(blockIdx.x % Qall);
+    const DraftArgs a = request_view<D>(sa.a, req);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int qi = blockIdx.x;
-    const SplitPlan pl = split_plan(sa);
+    const SplitPlan pl = split_plan(sa, a);
     if (!pl.on)
         return;
     const int g = (qi % a.q_heads) / (a.q_heads / a.kv_heads);
-    const int64_t Qall = (int64_t)a.rows * a.q_heads;
     const float scale_log2 = a.scale * kLog2e;
-    const float *part = sa.part + (int64_t)qi * (D + 2); /* split s: + s * Qall * (D + 2) */
+    /* split s: + s * Qall * (D + 2) */
+    const float *part = sa.part + ((int64_t)req * sa.splits * Qall + qi) * (D + 2);
     float mx = -INFINITY;
     for (int s = threadIdx.x; s < pl.active; s += kDraftThreads)
         mx = fmaxf(mx, part[(int64_t)s * Qall * (D + 2) + D]);
@@ -372,31 +376,33 @@ m3_status launch_split(m3_cuda *cu, const DraftArgs &a, int64_t most, int64_t sp
         return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %d block rows over a long context "
                        "(at most %d)", a.rows, M3_CUDA_DRAFT_MAX_ROWS);
     const int64_t Q = (int64_t)a.rows * (a.q_heads / a.kv_heads);
-    const int64_t passes = (Q + kPassQ - 1) / kPassQ;
-    /* about one wave of CTAs (two a multiprocessor where they fit), each
-     * split at most kMaxPer keys */
+    const int64_t passes = (Q + kPassQ - 1) / kPassQ, z = passes * a.requests;
+    /* about one wave of CTAs over every request (two a multiprocessor
+     * where they fit), each split at most kMaxPer keys */
     const int per_sm = L::kFixed <= 100 * 1024 ? 2 : 1;
-    int64_t splits = ((int64_t)cu->sm_count * per_sm + a.kv_heads * passes - 1) /
-                     (a.kv_heads * passes);
+    int64_t splits = ((int64_t)cu->sm_count * per_sm + a.kv_heads * z - 1) / (a.kv_heads * z);
     const int64_t few = (most + kMaxPer - 1) / kMaxPer;
     splits = splits > few ? splits : few;
     splits = splits > 1 ? splits : 1;
-    if (splits > 65535 || passes > 65535 || a.kv_heads > 65535)
+    if (splits > 65535 || z > 65535 || a.kv_heads > 65535)
         return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %lld context keys, %d KV heads, "
-                       "%lld queries a KV head", (long long)most, a.kv_heads, (long long)Q);
+                       "%d requests of %lld queries a KV head", (long long)most, a.kv_heads,
+                       a.requests, (long long)Q);
     int64_t per = (most + splits - 1) / splits;
     per = (per + kChunk - 1) / kChunk * kChunk;
     per = per < kMinPer ? kMinPer : per;
     const size_t smem = (size_t)L::kFixed + (size_t)(per / M3_PAGE + 2) * sizeof(int32_t);
-    SplitArgs sa = {a, nullptr, (int)splits, split_from};
-    const size_t part = (size_t)splits * a.rows * a.q_heads * (D + 2) * sizeof(float);
+    SplitArgs sa = {a, nullptr, (int)splits, (int)passes, split_from};
+    const size_t part =
+        (size_t)a.requests * splits * a.rows * a.q_heads * (D + 2) * sizeof(float);
     M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_DRAFT, part, (void **)&sa.part));
     M3_CUDA_TRY(cudaFuncSetAttribute(draft_split_kernel<D>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    draft_split_kernel<D><<<dim3((unsigned)a.kv_heads, (unsigned)splits, (unsigned)passes),
+    draft_split_kernel<D><<<dim3((unsigned)a.kv_heads, (unsigned)splits, (unsigned)z),
                             kDraftThreads, smem, cu->stream>>>(sa);
     M3_CUDA_LAUNCHED("draft_split_kernel");
-    draft_merge_kernel<D><<<(unsigned)(a.rows * a.q_heads), kDraftThreads, 0, cu->stream>>>(sa);
+    draft_merge_kernel<D><<<(unsigned)(a.requests * a.rows * a.q_heads), kDraftThreads, 0,
+                            cu->stream>>>(sa);
     M3_CUDA_LAUNCHED("draft_merge_kernel");
     return M3_OK;
 }

@@ -151,7 +151,8 @@ m3_status m3_cuda_draft_layers_run(m3_backend *be, void *runner, int n);
 void m3_cuda_draft_layers_free(m3_backend *be, void *runner);
 
 /* cuda_draft.cu */
-m3_status m3_cuda_draft_attention(m3_backend *be, int rows, int q_heads, int kv_heads, int dim,
+m3_status m3_cuda_draft_attention(m3_backend *be, int requests, int rows, int q_heads,
+                                  int kv_heads, int dim,
                                   const uint16_t *q, const uint16_t *bk, const uint16_t *bv,
                                   const uint16_t *kcache, const uint16_t *vcache,
                                   const int32_t *pages, int max_blocks, const int64_t *pos,

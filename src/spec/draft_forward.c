@@ -108,22 +108,17 @@ m3_status m3_drafter_extend(m3_drafter *d, int rows, const uint8_t *keep) {
 }
 
 /* Each request's B rows attend to its own context and block: one op call
- * a request, on its slices of the step's rows. */
+ * for the n requests, each on its slices of the step's rows and its own
+ * block table and positions (the op's request strides are these arrays'). */
 static m3_status draft_attention(m3_drafter *d, int n, int layer) {
     m3_draft_run *r = &d->run;
     m3_backend *be = r->eng->be;
     const m3_config *a = &d->cfg.attn;
     int B = d->cfg.block, D = a->head_dim, Nq = a->num_q_heads, Nkv = a->num_kv_heads;
     float scale = (float)(1.0 / sqrt((double)D));
-    for (int g = 0; g < n; g++) {
-        size_t q0 = (size_t)g * B * Nq * D, k0 = (size_t)g * B * Nkv * D;
-        M3_TRY(be->ops->draft_attention(be, B, Nq, Nkv, D, r->q + q0, r->k + k0, r->v + k0,
-                                        r->k_cache[layer], r->v_cache[layer],
-                                        r->pages + (size_t)g * r->max_blocks, r->max_blocks,
-                                        r->positions + (size_t)g * B, d->cfg.window, scale,
-                                        r->attn + q0));
-    }
-    return M3_OK;
+    return be->ops->draft_attention(be, n, B, Nq, Nkv, D, r->q, r->k, r->v, r->k_cache[layer],
+                                    r->v_cache[layer], r->pages, r->max_blocks, r->positions,
+                                    d->cfg.window, scale, r->attn);
 }
 
 /* The n*B rows from their embedding in r->residual through the draft

@@ -3,6 +3,7 @@
  *
  * 1. The draft_attention op against the CPU's on fresh random inputs: query
  *    and block rows, a paged context cache behind a shuffled block table,
+ *    one request a call and several (each its own position and table),
  *    positions at page edges and past them, with and without a key window;
  *    the output poisoned (NaN) with guard bytes past its end; relative L2
  *    within TOL_OP (fp32 arithmetic in another order, then bf16 outputs),
@@ -111,38 +112,52 @@ static void *up(const void *h, size_t bytes, size_t extra) {
 /* cap: the block table's capacity the op is told (its launches are sized
  * by it, as a graph replayed at any position needs): n_blocks + 40 pages,
  * so the long-context kernels are launched in every case (and leave at
- * once where the context is short) */
-static void op_case(int rows, int q_heads, int kv_heads, int dim, int64_t p, int64_t window) {
+ * once where the context is short). requests: the op's requests, one
+ * after another in every array; request 0 at position p, the others at
+ * random positions up to p, each with its own shuffled block table into
+ * the one cache. */
+static void op_case(int requests, int rows, int q_heads, int kv_heads, int dim, int64_t p,
+                    int64_t window) {
     int n_blocks = (int)((p + M3_PAGE_TOKENS - 1) / M3_PAGE_TOKENS), n_pages = n_blocks + 3;
     int cap = n_blocks + 40;
-    int32_t *pages = gpu_xmalloc((size_t)(n_blocks + 1) * 4);
-    for (int b = 0; b < n_blocks; b++) /* a shuffled table: page n_pages - 1 - b */
-        pages[b] = n_pages - 1 - b;
-    int64_t qn = (int64_t)rows * q_heads * dim, bn = (int64_t)rows * kv_heads * dim;
+    int32_t *pages = gpu_xmalloc((size_t)requests * cap * 4);
+    for (int i = 0; i < requests; i++)
+        for (int b = 0; b < cap; b++) /* a shuffled table: page n_pages - 1 - b (+ i) */
+            pages[(size_t)i * cap + b] = (n_pages - 1 - b % n_pages + i) % n_pages;
+    int64_t qn = (int64_t)requests * rows * q_heads * dim;
+    int64_t bn = (int64_t)requests * rows * kv_heads * dim;
     int64_t cn = (int64_t)n_pages * kv_heads * M3_PAGE_TOKENS * dim;
     uint16_t *q = rand_bf16(qn), *bk = rand_bf16(bn), *bv = rand_bf16(bn);
     uint16_t *kc = rand_bf16(cn), *vc = rand_bf16(cn), *ref = gpu_xmalloc((size_t)qn * 2);
     float scale = (float)(1.0 / sqrt((double)dim));
-    int64_t *pos = gpu_xmalloc((size_t)rows * 8); /* the rows' positions (the op reads pos[0]) */
-    for (int t = 0; t < rows; t++)
-        pos[t] = p + t;
-    if (g_cpu->ops->draft_attention(g_cpu, rows, q_heads, kv_heads, dim, q, bk, bv, kc, vc, pages,
-                                    cap, pos, window, scale, ref)) {
+    /* the rows' positions (the op reads each request's first) */
+    int64_t *pos = gpu_xmalloc((size_t)requests * rows * 8);
+    for (int i = 0; i < requests; i++) {
+        int64_t pi = i ? (int64_t)(rng_unit() * (double)(p + 1)) : p;
+        for (int t = 0; t < rows; t++)
+            pos[(size_t)i * rows + t] = pi + t;
+    }
+    if (g_cpu->ops->draft_attention(g_cpu, requests, rows, q_heads, kv_heads, dim, q, bk, bv, kc,
+                                    vc, pages, cap, pos, window, scale, ref)) {
         fprintf(stderr, "test_cuda_draft: FATAL: the CPU op: %s\n", m3_last_error());
         exit(1);
     }
     void *dq = up(q, (size_t)qn * 2, 0), *dbk = up(bk, (size_t)bn * 2, 0);
     void *dbv = up(bv, (size_t)bn * 2, 0), *dkc = up(kc, (size_t)cn * 2, 0);
-    void *dvc = up(vc, (size_t)cn * 2, 0), *dpages = up(pages, (size_t)(n_blocks + 1) * 4, 0);
-    void *dout = up(NULL, (size_t)qn * 2, GUARD), *dpos = up(pos, (size_t)rows * 8, 0);
-    m3_status st = g_gpu->ops->draft_attention(g_gpu, rows, q_heads, kv_heads, dim, dq, dbk, dbv,
-                                               dkc, dvc, dpages, cap, dpos, window, scale,
-                                               dout);
+    void *dvc = up(vc, (size_t)cn * 2, 0), *dpages = up(pages, (size_t)requests * cap * 4, 0);
+    void *dout = up(NULL, (size_t)qn * 2, GUARD);
+    void *dpos = up(pos, (size_t)requests * rows * 8, 0);
+    m3_status st = g_gpu->ops->draft_attention(g_gpu, requests, rows, q_heads, kv_heads, dim, dq,
+                                               dbk, dbv, dkc, dvc, dpages, cap, dpos, window,
+                                               scale, dout);
     if (!st)
         st = g_gpu->ops->sync(g_gpu);
     char shape[128];
-    snprintf(shape, sizeof shape, "%d rows, %d/%d heads, dim %d, p %lld, window %lld", rows,
-             q_heads, kv_heads, dim, (long long)p, (long long)window);
+    char reqs[32] = "";
+    if (requests > 1)
+        snprintf(reqs, sizeof reqs, "%d requests x ", requests);
+    snprintf(shape, sizeof shape, "%s%d rows, %d/%d heads, dim %d, p %lld, window %lld", reqs,
+             rows, q_heads, kv_heads, dim, (long long)p, (long long)window);
     g_cases++;
     if (st) {
         printf("draft_attention %s%-52s FAIL: %s\n", g_split_tag, shape, m3_last_error());
@@ -194,7 +209,7 @@ static void test_op(void) {
         for (size_t i = 0; i < sizeof positions / sizeof *positions; i++) {
             int rows = (int)(1 + (h + i) % 3 * 7) > 15 ? 15 : (int)(1 + (h + i) % 3 * 7);
             int64_t window = (i % 2) ? 0 : rows + rng_below(200);
-            op_case(rows, heads[h].q, heads[h].kv, heads[h].dim, positions[i], window);
+            op_case(1, rows, heads[h].q, heads[h].kv, heads[h].dim, positions[i], window);
         }
     /* long contexts (split over CTAs by default), with and without a
      * window, at the split sizes' edges, 7 and 15 rows */
@@ -210,8 +225,19 @@ static void test_op(void) {
                  {5, 4, 2, 160, 4100, 0},     {2, 4, 1, 224, 3000, 2500},
                  {4, 8, 1, 192, 2500, 0}};
     for (size_t i = 0; i < sizeof longs / sizeof *longs; i++)
-        op_case(longs[i].rows, longs[i].q, longs[i].kv, longs[i].dim, longs[i].p,
+        op_case(1, longs[i].rows, longs[i].q, longs[i].kv, longs[i].dim, longs[i].p,
                 longs[i].window);
+    /* several requests in one call, each at its own position and block
+     * table (the drafter's batch: 7 rows a request), short and long */
+    static const struct {
+        int requests, rows, q, kv, dim;
+        int64_t p, window;
+    } batches[] = {{3, 7, 16, 1, 128, 200, 0},   {8, 7, 16, 1, 128, 5000, 0},
+                   {3, 7, 8, 2, 64, 3000, 700},  {8, 7, 16, 4, 128, 300, 0},
+                   {2, 15, 16, 1, 128, 2500, 0}, {3, 1, 4, 1, 256, 4000, 0}};
+    for (size_t i = 0; i < sizeof batches / sizeof *batches; i++)
+        op_case(batches[i].requests, batches[i].rows, batches[i].q, batches[i].kv,
+                batches[i].dim, batches[i].p, batches[i].window);
 }
 
 /* kind 0: random; 1: ties at the maximum; 2: NaN scattered, +-inf; 3: NaN
