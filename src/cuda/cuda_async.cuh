@@ -463,6 +463,18 @@ struct WarpAttn {
     float l[2]; /* this lane's share of the sum of p (bf16-rounded p) */
 };
 
+/* the state before any key: o and l zero, m -inf */
+template <int D>
+__device__ __forceinline__ void attn_reset(WarpAttn<D> &w) {
+#pragma unroll
+    for (int n = 0; n < D / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            w.o[n][e] = 0.0f;
+    w.m[0] = w.m[1] = -INFINITY;
+    w.l[0] = w.l[1] = 0.0f;
+}
+
 /* New running max from the tile's scores (NT n-tiles of 8 keys: 2 for the
  * attention tile's 16 keys, 4 for the drafter's 32); rescales o and l.
  * ref: the subtrahend for this tile's p (the max, or 0 while every key is

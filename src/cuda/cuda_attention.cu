@@ -250,13 +250,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(AttnArgs a) {
     unsigned char *sq = smem + C::kQOffset;
     const int warp = threadIdx.x >> 5;
     WarpAttn<D> w;
-#pragma unroll
-    for (int n = 0; n < D / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            w.o[n][e] = 0.0f;
-    w.m[0] = w.m[1] = -INFINITY;
-    w.l[0] = w.l[1] = 0.0f;
+    attn_reset(w);
     if (c.ntiles > 0) {
         attn_load_q<D>(a, c, sq);
         attn_load<D>(a, c, 0, smem, &s_count[0]);

@@ -14,8 +14,11 @@
  * docs/PERF.md, forty-first session). A warp keeps an online softmax (fp32)
  * over its runs, rescaled once a run, and the warps merge at the end.
  * Every query head of a KV group reads the group's keys again (from L2
- * after the first). The arithmetic is fp32 with its own order, so tests
- * compare it with the CPU's within bf16 tolerance.
+ * after the first), so from cu->draft_split_from context keys (256 by
+ * default) the split kernels of cuda_draft_split.cu run instead: this
+ * kernel leaves such positions at once. Every request of a step in one
+ * launch (request_view). The arithmetic is fp32 with its own order, so
+ * tests compare it with the CPU's within bf16 tolerance.
  * Capturable (cu->stream only, nothing else; the block's position read
  * from device memory), so the draft step replays a graph.
  *

@@ -222,13 +222,7 @@ __global__ void __launch_bounds__(kDraftThreads) draft_split_kernel(const SplitA
         lo[r] = qi < Q ? row_lo(a, pl.p, qi / G) : INT64_MAX;
     }
     WarpAttn<D> w;
-#pragma unroll
-    for (int n = 0; n < D / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            w.o[n][e] = 0.0f;
-    w.m[0] = w.m[1] = -INFINITY;
-    w.l[0] = w.l[1] = 0.0f;
+    attn_reset(w);
     const float scale_log2 = a.scale * kLog2e;
     for (int c = 0; c < nc; c++) {
         cp_async_wait<kStages - 2>();

@@ -264,13 +264,7 @@ __device__ void att_item(const MonoArgs &a, Ctl &ctl, unsigned char *smem, int i
         unsigned char *sq = smem + kQOffset;
         const int warp = threadIdx.x >> 5;
         WarpAttn<kHD> w;
-#pragma unroll
-        for (int n = 0; n < kHD / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                w.o[n][e] = 0.0f;
-        w.m[0] = w.m[1] = -INFINITY;
-        w.l[0] = w.l[1] = 0.0f;
+        attn_reset(w);
         if (c.ntiles > 0) {
             attn_load_q(a, c, sq);
             attn_load(a, c, 0, smem, &ctl.s_count[0]);
