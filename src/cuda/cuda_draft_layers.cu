@@ -193,11 +193,7 @@ __device__ __forceinline__ void tile_sums(const gemv_weight &W, int64_t N, int64
         ksum_bounds(K, chunks, warp, &k0, &k1);
         float acc[NT][4];
         lmma_chunk<NT, false, U, true>(W, N, n0, x, rows, K, k0, k1, acc);
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                part[warp][j * 4 + i][lane] = acc[j][i];
+        lmma_part_put(part, warp, lane, acc);
     }
     __syncthreads();
     if (warp == 0) {
@@ -205,8 +201,7 @@ __device__ __forceinline__ void tile_sums(const gemv_weight &W, int64_t N, int64
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int i = 0; i < 4; i++)
-                out.v[j][i] =
-                    ksum_tree<float>(chunks, [&](int c) { return part[c][j * 4 + i][lane]; });
+                out.v[j][i] = lmma_part_sum(part, chunks, j, i, lane);
     }
     __syncthreads(); /* part is reused by the next tile */
 }

@@ -38,7 +38,6 @@
 #include "cuda/cuda_common.cuh"
 #include "cuda/cuda_draft.cuh"
 #include "cuda/cuda_internal.h"
-#include "cuda/cuda_ksum.cuh"
 
 namespace {
 

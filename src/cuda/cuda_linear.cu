@@ -95,11 +95,7 @@ __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
         if (lane == 0)
             count[blockIdx.x] = 0;
     } else { /* the CTA's chunks combined by warp 0 */
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                part[warp][j * 4 + i][lane] = acc[j][i];
+        lmma_part_put(part, warp, lane, acc);
         __syncthreads();
         if (warp != 0)
             return;
@@ -108,8 +104,7 @@ __global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
 #pragma unroll
             for (int i = 0; i < 4; i++)
                 if (live(j, i))
-                    store(j, i, ksum_tree<float>(n_chunks,
-                                                 [&](int c) { return part[c][j * 4 + i][lane]; }));
+                    store(j, i, lmma_part_sum(part, n_chunks, j, i, lane));
     }
 }
 

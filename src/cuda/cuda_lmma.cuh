@@ -9,6 +9,7 @@
 #define M3_CUDA_CUDA_LMMA_CUH
 
 #include "cuda/cuda_gemv.cuh"
+#include "cuda/cuda_ksum.cuh"
 
 /* The decode linear on tensor cores. A warp owns one 16-row tile of the
  * weight and one of its K chunks (cuda_ksum.cuh): a CTA is the n_chunks
@@ -144,6 +145,28 @@ __device__ __forceinline__ void lmma_chunk(const gemv_weight &W, int64_t N, int6
         compute(s1, st + 1);
     }
 
+}
+
+/* A CTA's chunk sums meeting in shared memory (part: [warps][NT * 4][32],
+ * a slot a chunk): lmma_part_put stores a warp's accumulators in its
+ * slot; after a barrier, lmma_part_sum gives this lane's element (j, i)
+ * summed over the chunks as cuda_ksum.cuh's tree, the bits the split-K
+ * path gives from L2. The linear kernel and the fused drafter layers'
+ * tiles both combine this way. */
+template <int NT, int W>
+__device__ __forceinline__ void lmma_part_put(float (&part)[W][NT * 4][32], int warp, int lane,
+                                              const float (&acc)[NT][4]) {
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            part[warp][j * 4 + i][lane] = acc[j][i];
+}
+
+template <int W, int E>
+__device__ __forceinline__ float lmma_part_sum(const float (&part)[W][E][32], int chunks, int j,
+                                               int i, int lane) {
+    return ksum_tree<float>(chunks, [&](int c) { return part[c][j * 4 + i][lane]; });
 }
 
 #endif
