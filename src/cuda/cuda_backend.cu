@@ -437,6 +437,16 @@ static int64_t draft_split_from(void) {
     return x >= 1 && end && *end == '\0' ? (int64_t)x : M3_CUDA_DRAFT_SPLIT_FROM;
 }
 
+/* The groups (KV heads x requests x query passes) from which the split
+ * kernel runs its two-CTAs-a-multiprocessor build: M3_DRAFT_SPLIT_TWO_FROM,
+ * 0 (never) or more, else the default. */
+static int64_t draft_split_two_from(void) {
+    const char *v = getenv("M3_DRAFT_SPLIT_TWO_FROM");
+    char *end = NULL;
+    long long x = v && *v ? strtoll(v, &end, 10) : -1;
+    return x >= 0 && end && *end == '\0' ? (int64_t)x : M3_CUDA_DRAFT_SPLIT_TWO_FROM;
+}
+
 extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     *out = NULL;
     cudaDeviceProp prop;
@@ -454,6 +464,7 @@ extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     cu->sm_count = prop.multiProcessorCount;
     cu->l2_bytes = (size_t)prop.l2CacheSize;
     cu->draft_split_from = draft_split_from();
+    cu->draft_split_two_from = draft_split_two_from();
     m3_status st = M3_OK;
     cudaError_t err = cudaSetDevice(device);
     if (err == cudaSuccess)

@@ -59,6 +59,14 @@ struct SplitLayout {
     static constexpr int kFixed = kQ + 2 * kStages * kStage; /* + page ids */
 };
 
+/* Whether the split kernel has a build for two CTAs a multiprocessor
+ * (__launch_bounds__(.., 2): 128 registers a thread). At head dim 128 one
+ * CTA takes 180 registers, and its eight warps left the tensor pipe 26%
+ * busy (ncu, docs/PERF.md forty-seventh session); at 96 the bound spills,
+ * and wider heads' accumulators need more. */
+template <int D>
+constexpr bool kHasTwoCtas = D == 128 || D <= 64;
+
 struct SplitArgs {
     DraftArgs a;         /* every request's (request_view takes one's) */
     float *part;         /* [requests][splits][rows * q_heads][D + 2]: acc, m (log2 units), l */
@@ -90,21 +98,23 @@ __device__ __forceinline__ SplitPlan split_plan(const SplitArgs &sa, const Draft
     return s;
 }
 
-/* Chunk c of the split (keys [k0 + c * kChunk, ...), those at or past nk
- * zero-filled, nothing read) into ring stage c % kStages. */
+/* Chunk c of the split (its keys c * kChunk, ..., those at or past nk
+ * zero-filled, nothing read) into ring stage c % kStages. skip: the
+ * split's first key's place in its page (spg[0]); key offsets stay 32-bit
+ * so that the tile code fits 128 registers. */
 template <int D>
-__device__ __forceinline__ void load_chunk(const DraftArgs &a, int g, int64_t k0, int nk,
-                                           const int32_t *spg, int64_t pg0, int c,
-                                           unsigned char *sk, unsigned char *sv) {
+__device__ __forceinline__ void load_chunk(const DraftArgs &a, int g, int skip, int nk,
+                                           const int32_t *spg, int c, unsigned char *sk,
+                                           unsigned char *sv) {
     using L = SplitLayout<D>;
     constexpr int kCpr = D / 8; /* 16-byte pieces a row */
     const int stage = (c % kStages) * L::kStage;
     for (int x = threadIdx.x; x < kChunk * kCpr; x += kDraftThreads) {
         const int key = x / kCpr, piece = x % kCpr, j = c * kChunk + key;
         const bool ok = j < nk;
-        const int64_t pos = k0 + j;
-        const int64_t page = ok ? spg[pos / M3_PAGE - pg0] : 0;
-        const int64_t off = ((page * a.kv_heads + g) * M3_PAGE + pos % M3_PAGE) * D + piece * 8;
+        const int at = skip + j; /* from spg[0]'s first key */
+        const int64_t page = ok ? spg[at / M3_PAGE] : 0;
+        const int64_t off = ((page * a.kv_heads + g) * M3_PAGE + at % M3_PAGE) * D + piece * 8;
         const int dst = stage + key * L::kRow + piece * 16;
         cp_async16(sk + dst, ok ? a.kc + off : a.kc, ok);
         cp_async16(sv + dst, ok ? a.vc + off : a.vc, ok);
@@ -113,12 +123,14 @@ __device__ __forceinline__ void load_chunk(const DraftArgs &a, int g, int64_t k0
 
 /* One warp's 16 queries against a 32-key chunk: S = Q K^T on tensor
  * cores, masked (keys past the split, or before a query row's window),
- * the online softmax, O += (P_hi + P_lo) V. lo: the first context key of
- * the lane's two query rows (INT64_MAX: no such query). */
+ * the online softmax, O += (P_hi + P_lo) V. j0: the chunk's first key in
+ * the split; lo: the first key of the split the lane's two query rows see
+ * (0 to nk + 1, nk + 1: none; 32-bit offsets, so that the tile code fits
+ * 128 registers). */
 template <int D>
 __device__ __forceinline__ void chunk_tile(WarpAttn<D> &w, const unsigned char *sq,
                                            const unsigned char *sk, const unsigned char *sv,
-                                           int64_t key0, int valid, const int64_t (&lo)[2],
+                                           int j0, int valid, const int (&lo)[2],
                                            float scale_log2) {
     constexpr int R = SplitLayout<D>::kRow;
     const int lane = threadIdx.x & 31, tq = lane & 3, mi = lane >> 3, r8 = lane & 7;
@@ -140,7 +152,7 @@ __device__ __forceinline__ void chunk_tile(WarpAttn<D> &w, const unsigned char *
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int j = nt * 8 + 2 * tq + (e & 1);
-            s[nt][e] = j < valid && key0 + j >= lo[e >> 1] ? s[nt][e] * scale_log2 : -INFINITY;
+            s[nt][e] = j < valid && j0 + j >= lo[e >> 1] ? s[nt][e] * scale_log2 : -INFINITY;
         }
     float ref[2];
     attn_rescale<D, 4>(w, s, ref);
@@ -175,9 +187,10 @@ __device__ __forceinline__ void chunk_tile(WarpAttn<D> &w, const unsigned char *
 }
 
 /* grid (kv_heads, splits, requests x query passes of kPassQ); dynamic
- * shared memory: SplitLayout<D>::kFixed plus the split's page ids. */
-template <int D>
-__global__ void __launch_bounds__(kDraftThreads) draft_split_kernel(const SplitArgs sa) {
+ * shared memory: SplitLayout<D>::kFixed plus the split's page ids. Ctas:
+ * the CTAs a multiprocessor is built to hold (1, or 2 where kHasTwoCtas). */
+template <int D, int Ctas>
+__global__ void __launch_bounds__(kDraftThreads, Ctas) draft_split_kernel(const SplitArgs sa) {
     using L = SplitLayout<D>;
     constexpr int R = L::kRow;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -194,6 +207,7 @@ __global__ void __launch_bounds__(kDraftThreads) draft_split_kernel(const SplitA
     const int64_t k0 = pl.lo + (int64_t)s * pl.per, k1 = min(pl.p, k0 + pl.per);
     const int nk = (int)(k1 - k0), nc = (nk + kChunk - 1) / kChunk;
     const int64_t pg0 = k0 / M3_PAGE;
+    const int skip = (int)(k0 - pg0 * M3_PAGE);
     for (int64_t i = threadIdx.x; i <= (k1 - 1) / M3_PAGE - pg0; i += kDraftThreads)
         spg[i] = __ldg(a.pages + pg0 + i);
     /* the pass's queries (rows past Q zero) join the first chunk's group */
@@ -208,17 +222,18 @@ __global__ void __launch_bounds__(kDraftThreads) draft_split_kernel(const SplitA
 #pragma unroll
     for (int c = 0; c < kStages - 1; c++) {
         if (c < nc)
-            load_chunk<D>(a, g, k0, nk, spg, pg0, c, sk, sv);
+            load_chunk<D>(a, g, skip, nk, spg, c, sk, sv);
         cp_async_commit();
     }
     /* the lane's two query rows (accumulator rows lane / 4 and + 8) */
     const int wq = q0 + warp * kTileQ;
     const bool busy = wq < Q; /* warp-uniform */
-    int64_t lo[2];
+    int lo[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int qi = wq + lane / 4 + r * 8;
-        lo[r] = qi < Q ? row_lo(a, pl.p, qi / G) : INT64_MAX;
+        const int64_t first = qi < Q ? row_lo(a, pl.p, qi / G) - k0 : (int64_t)nk + 1;
+        lo[r] = (int)min(max(first, (int64_t)0), (int64_t)nk + 1);
     }
     WarpAttn<D> w;
     attn_reset(w);
@@ -227,11 +242,11 @@ __global__ void __launch_bounds__(kDraftThreads) draft_split_kernel(const SplitA
         cp_async_wait<kStages - 2>();
         __syncthreads(); /* chunk c landed for all; stage (c - 1) % kStages is free */
         if (c + kStages - 1 < nc)
-            load_chunk<D>(a, g, k0, nk, spg, pg0, c + kStages - 1, sk, sv);
+            load_chunk<D>(a, g, skip, nk, spg, c + kStages - 1, sk, sv);
         cp_async_commit();
         if (busy) {
             const int st = (c % kStages) * L::kStage;
-            chunk_tile<D>(w, sq + warp * kTileQ * R, sk + st, sv + st, k0 + (int64_t)c * kChunk,
+            chunk_tile<D>(w, sq + warp * kTileQ * R, sk + st, sv + st, c * kChunk,
                           min(kChunk, nk - c * kChunk), lo, scale_log2);
         }
     }
@@ -362,42 +377,87 @@ __global__ void __launch_bounds__(kDraftThreads) draft_merge_kernel(const SplitA
     }
 }
 
+/* dynamic shared memory of a split of `per` keys: the fixed layout and
+ * its page ids (one more for a split that starts mid-page, one spare) */
 template <int D>
-m3_status launch_split(m3_cuda *cu, const DraftArgs &a, int64_t most, int64_t split_from) {
-    using L = SplitLayout<D>;
-    if (a.rows > M3_CUDA_DRAFT_MAX_ROWS)
-        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %d block rows over a long context "
-                       "(at most %d)", a.rows, M3_CUDA_DRAFT_MAX_ROWS);
-    const int64_t Q = (int64_t)a.rows * (a.q_heads / a.kv_heads);
-    const int64_t passes = (Q + kPassQ - 1) / kPassQ, z = passes * a.requests;
-    /* about one wave of CTAs over every request (two a multiprocessor
-     * where they fit), each split at most kMaxPer keys */
-    const int per_sm = L::kFixed <= 100 * 1024 ? 2 : 1;
-    int64_t splits = ((int64_t)cu->sm_count * per_sm + a.kv_heads * z - 1) / (a.kv_heads * z);
+size_t page_smem(int64_t per) {
+    return (size_t)SplitLayout<D>::kFixed + (size_t)(per / M3_PAGE + 2) * sizeof(int32_t);
+}
+
+/* The split and merge kernels for `groups` = KV heads x query passes x
+ * requests, with the Ctas build of the split kernel. */
+template <int D, int Ctas>
+m3_status launch_split_as(m3_cuda *cu, const DraftArgs &a, int64_t most, int64_t split_from,
+                          int passes, int64_t groups) {
+    auto kernel = draft_split_kernel<D, Ctas>;
+    /* CTAs a multiprocessor holds, asked with the largest page-id table a
+     * split could need (one split over `most` keys, within kMinPer and
+     * kMaxPer): more splits only shorten it, so the answer holds */
+    int64_t per_most = most < kMinPer ? kMinPer : most < kMaxPer ? most : kMaxPer;
+    per_most = (per_most + kChunk - 1) / kChunk * kChunk;
+    const size_t smem_most = page_smem<D>(per_most);
+    M3_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)smem_most));
+    /* the ring, not the L1 cache, is what these CTAs keep on chip */
+    M3_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     cudaSharedmemCarveoutMaxShared));
+    int per_sm = 0;
+    M3_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDraftThreads,
+                                                              smem_most));
+    if (per_sm < 1)
+        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: the split kernel for head dim %d "
+                       "does not fit a multiprocessor (%zu bytes of shared memory)", D,
+                       smem_most);
+    /* one wave: the CTA slots divided among the groups, rounded down
+     * (rounded up, eight requests' 17 splits made 136 CTAs for 132 slots,
+     * a second wave for four: +28% on the drafter's layers at 32K,
+     * docs/PERF.md forty-seventh session), each split at most kMaxPer keys */
+    int64_t splits = (int64_t)cu->sm_count * per_sm / groups;
     const int64_t few = (most + kMaxPer - 1) / kMaxPer;
     splits = splits > few ? splits : few;
     splits = splits > 1 ? splits : 1;
-    if (splits > 65535 || z > 65535 || a.kv_heads > 65535)
-        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %lld context keys, %d KV heads, "
-                       "%d requests of %lld queries a KV head", (long long)most, a.kv_heads,
-                       a.requests, (long long)Q);
+    if (splits > 65535)
+        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %lld context keys in %lld splits "
+                       "(at most 65535)", (long long)most, (long long)splits);
     int64_t per = (most + splits - 1) / splits;
     per = (per + kChunk - 1) / kChunk * kChunk;
     per = per < kMinPer ? kMinPer : per;
-    const size_t smem = (size_t)L::kFixed + (size_t)(per / M3_PAGE + 2) * sizeof(int32_t);
-    SplitArgs sa = {a, nullptr, (int)splits, (int)passes, split_from};
+    SplitArgs sa = {a, nullptr, (int)splits, passes, split_from};
     const size_t part =
         (size_t)a.requests * splits * a.rows * a.q_heads * (D + 2) * sizeof(float);
     M3_TRY(m3_cuda_workspace(cu, M3_CUDA_WS_DRAFT, part, (void **)&sa.part));
-    M3_CUDA_TRY(cudaFuncSetAttribute(draft_split_kernel<D>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    draft_split_kernel<D><<<dim3((unsigned)a.kv_heads, (unsigned)splits, (unsigned)z),
-                            kDraftThreads, smem, cu->stream>>>(sa);
+    kernel<<<dim3((unsigned)a.kv_heads, (unsigned)splits, (unsigned)(groups / a.kv_heads)),
+             kDraftThreads, page_smem<D>(per), cu->stream>>>(sa);
     M3_CUDA_LAUNCHED("draft_split_kernel");
     draft_merge_kernel<D><<<(unsigned)(a.requests * a.rows * a.q_heads), kDraftThreads, 0,
                             cu->stream>>>(sa);
     M3_CUDA_LAUNCHED("draft_merge_kernel");
     return M3_OK;
+}
+
+template <int D>
+m3_status launch_split(m3_cuda *cu, const DraftArgs &a, int64_t most, int64_t split_from) {
+    if (a.rows > M3_CUDA_DRAFT_MAX_ROWS)
+        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %d block rows over a long context "
+                       "(at most %d)", a.rows, M3_CUDA_DRAFT_MAX_ROWS);
+    const int64_t Q = (int64_t)a.rows * (a.q_heads / a.kv_heads);
+    const int64_t passes = (Q + kPassQ - 1) / kPassQ, z = passes * a.requests;
+    if (z > 65535 || a.kv_heads > 65535)
+        return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %d KV heads, %d requests of %lld "
+                       "queries a KV head", a.kv_heads, a.requests, (long long)Q);
+    /* Two CTAs a multiprocessor from cu->draft_split_two_from groups: with
+     * eight requests they took 6-15% less than one a multiprocessor at
+     * 32K-128K (its 128-register code, twice the CTAs); with one request
+     * that code, one CTA a multiprocessor, took 10% longer at 32K, and its
+     * twice as many half-length splits 2.4% longer (docs/PERF.md,
+     * forty-seventh session) */
+    const int64_t groups = (int64_t)a.kv_heads * z;
+    const int64_t two_from = cu->draft_split_two_from;
+    if constexpr (kHasTwoCtas<D>) {
+        if (two_from > 0 && groups >= two_from)
+            return launch_split_as<D, 2>(cu, a, most, split_from, (int)passes, groups);
+    }
+    return launch_split_as<D, 1>(cu, a, most, split_from, (int)passes, groups);
 }
 
 } // namespace

@@ -10,8 +10,10 @@
  *    no NaN. Contexts from 256 keys (the default) take the split kernels;
  *    every case runs again on a backend that splits from one key
  *    (M3_DRAFT_SPLIT_FROM=1), so they see every shape, window and head
- *    dim, query passes of 128 and more included, and on one that never
- *    splits (the short-context kernel over long contexts).
+ *    dim, query passes of 128 and more included, once in the split
+ *    kernel's build for one CTA a multiprocessor and once in the one for
+ *    two (M3_DRAFT_SPLIT_TWO_FROM 0 and 1), and on one that never splits
+ *    (the short-context kernel over long contexts).
  * 2. The draft_argmax op (the Markov head's step) against the CPU's: rows
  *    with the bias and without, ties at the maximum, NaN, +-inf, a row of
  *    NaN only (token 0) and of -inf only; the row written back bitwise as
@@ -920,14 +922,18 @@ int main(void) {
     g_rng = gpu_test_seed(0xd5a4cull);
     printf("test_cuda_draft: seed %llu (set M3_TEST_SEED to vary)\n", (unsigned long long)g_rng);
     test_op();
-    /* every op case again through the split kernels only, and through the
-     * short-context kernel only (a backend reads M3_DRAFT_SPLIT_FROM when
-     * created) */
-    static const char *const froms[] = {"1", NEVER_SPLIT};
-    static const char *const tags[] = {"(split from 1) ", "(never split) "};
+    /* every op case again through the split kernels only, in their build
+     * for one CTA a multiprocessor and in the one for two (where the head
+     * dim has it), and through the short-context kernel only (a backend
+     * reads M3_DRAFT_SPLIT_FROM and M3_DRAFT_SPLIT_TWO_FROM when created) */
+    static const char *const froms[] = {"1", "1", NEVER_SPLIT};
+    static const char *const twos[] = {"0", "1", "0"};
+    static const char *const tags[] = {"(split from 1, one CTA an SM) ",
+                                       "(split from 1, two CTAs an SM) ", "(never split) "};
     m3_backend *gpu = g_gpu;
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         setenv("M3_DRAFT_SPLIT_FROM", froms[i], 1);
+        setenv("M3_DRAFT_SPLIT_TWO_FROM", twos[i], 1);
         if (m3_cuda_backend_create(0, &g_gpu)) {
             fprintf(stderr, "test_cuda_draft: FAILED: backend: %s\n", m3_last_error());
             return 1;
@@ -936,6 +942,7 @@ int main(void) {
         test_op();
         g_gpu->ops->destroy(g_gpu);
     }
+    unsetenv("M3_DRAFT_SPLIT_TWO_FROM");
     g_gpu = gpu;
     g_split_tag = "";
     test_argmax();
