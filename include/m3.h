@@ -341,8 +341,11 @@ typedef struct m3_spec_stats {
     /* a request's draft-and-verify cycles (summed over a batch's requests),
      * drafts verified, drafts kept */
     int64_t cycles, drafted, accepted;
-    int64_t batch_steps; /* verify steps run (each after one draft step for up to 8
-                          * requests, or none where none had room to draft) */
+    int64_t batch_steps; /* cycles of a group of up to 8 requests: one draft step (none
+                          * where none had room to draft), then their verify steps */
+    int64_t verify_steps; /* the target's verify steps: one a cycle, or several where a
+                           * step of every request's rows would round a row differently
+                           * from a one-row step (CUDA: more than 16 rows) */
     /* wall seconds in the proposer (its drafts, and the kept rows taken in
      * as its context) and in the target's verify steps (the step, its
      * logits and the acceptance): per batch step, what a step's time is made of */

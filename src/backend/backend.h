@@ -291,6 +291,11 @@ struct m3_backend {
      * the CUDA attention picks its KV splits from these, so a rank splits
      * each head's keys as TP 1 does (the same bits). 0: the op's own. */
     int full_q_heads, full_kv_heads;
+    /* The most rows a step can have with every row's results the bits a
+     * one-row step gives (0: any number; the CPU's). CUDA: 16, past which
+     * the linear leaves its MMA kernel for cuBLAS, whose sums' order
+     * depends on the shape. */
+    int exact_rows;
 };
 
 /* The ops' linear_group, or linear n times where a backend has none. */

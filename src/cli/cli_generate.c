@@ -237,6 +237,7 @@ static cJSON *spec_json(const m3_spec_stats *s, int block) {
     cJSON_AddNumberToObject(o, "block", block);
     cJSON_AddNumberToObject(o, "cycles", (double)s->cycles);
     cJSON_AddNumberToObject(o, "batch_steps", (double)s->batch_steps);
+    cJSON_AddNumberToObject(o, "verify_steps", (double)s->verify_steps);
     cJSON_AddNumberToObject(o, "drafted", (double)s->drafted);
     cJSON_AddNumberToObject(o, "accepted", (double)s->accepted);
     /* tokens per target step of a draft cycle: accepted drafts + 1 */

@@ -460,6 +460,7 @@ extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     }
     be->ops = &cuda_ops;
     be->impl = cu;
+    be->exact_rows = M3_CUDA_EXACT_ROWS;
     cu->device = device;
     cu->sm_count = prop.multiProcessorCount;
     cu->l2_bytes = (size_t)prop.l2CacheSize;

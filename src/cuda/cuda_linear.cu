@@ -15,6 +15,9 @@
 #include "cuda/cuda_internal.h"
 #include "cuda/cuda_lmma.cuh"
 
+static_assert(M3_CUDA_EXACT_ROWS <= GEMV_MAX_T,
+              "a step's rows up to M3_CUDA_EXACT_ROWS stay on the MMA kernel");
+
 /* The weights of one launch: several linears of the same x (a layer's q,
  * k, v and index projections; gate and up) as one grid of tiles, weight i
  * owning tiles [tile_end[i - 1], tile_end[i]). Each output is the bits

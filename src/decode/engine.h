@@ -166,6 +166,15 @@ bool m3_engine_greedy_on_device(const m3_engine *eng);
 m3_status m3_engine_step_greedy(m3_engine *eng, const m3_request *reqs, int n_reqs,
                                 int32_t *tokens);
 
+/* The most rows a step can have with each row's results the bits a
+ * one-row step gives it (0: any number): the backend's exact_rows (a TP
+ * front's: rank 0's). Speculative decoding verifies in steps of at most
+ * this many rows, so its tokens are plain greedy decoding's. */
+static inline int m3_engine_exact_rows(const m3_engine *e) {
+    const m3_engine *x = e->be ? e : e->ranks[0];
+    return x && x->be ? x->be->exact_rows : 0;
+}
+
 /* For benchmarks: give seq len tokens of cache (pages reserved, contents
  * whatever the cache holds) without running them. */
 m3_status m3_engine_set_len(m3_engine *eng, m3_seq seq, int64_t len);

@@ -3,12 +3,14 @@
  * each prompt, then repeatedly let a proposer draft up to B tokens after
  * each request's anchor (the last token chosen), up to G requests in one
  * draft step, run the target over every request's [anchor, drafts] in one
- * step, keep a request's drafts while they equal the target's greedy
- * choice, emit the target's token at its first mismatch (or after all B),
- * cut each sequence back to its kept rows and hand those rows to the
- * proposer as context. The emitted tokens and the logits they were chosen
- * from are exactly plain greedy decoding's (for a batch: where the target's
- * rows do not depend on the batch).
+ * step (or in steps of whole requests where the backend rounds a row of a
+ * larger step differently from a one-row step: m3_engine_exact_rows, 16
+ * rows on CUDA), keep a request's drafts while they equal the target's
+ * greedy choice, emit the target's token at its first mismatch (or after
+ * all B), cut each sequence back to its kept rows and hand those rows to
+ * the proposer as context. The emitted tokens and the logits they were
+ * chosen from are exactly plain greedy decoding's (for a batch: plain
+ * batched decoding's, whose steps stay within those rows too).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -126,13 +128,9 @@ static m3_status propose(loop *l, group *g) {
     return l->pr->propose(l->pr->self, k, seqs, p, anchors, g->drafts, l->draft_logits);
 }
 
-/* The target's step over each request's [anchor, drafts]; n_acc and the
- * target's token at the first mismatch (or after every draft). Row i of
- * a request has the target's greedy token for position p + 1 + i; the
- * rows' logits come to the host only when a callback reads them or the
- * backend cannot choose tokens. */
-static m3_status verify(loop *l, group *g) {
-    m3_request vr[M3_MAX_DRAFT_REQS];
+/* Each request's verify rows, [anchor, drafts], laid out one after the
+ * other: first[q] its first row, vr[q] its request. */
+static void verify_rows(loop *l, group *g, m3_request *vr) {
     int rows = 0;
     for (int q = 0; q < g->m; q++) {
         const req *r = &l->rq[g->who[q]];
@@ -145,14 +143,23 @@ static m3_status verify(loop *l, group *g) {
         rows += g->nb[q] + 1;
     }
     g->first[g->m] = g->rows = rows;
+}
+
+/* The target's step over requests [q0, q1)'s rows; n_acc and the target's
+ * token at the first mismatch (or after every draft). Row i of a request
+ * has the target's greedy token for position p + 1 + i; the rows' logits
+ * come to the host (into l->logits at the requests' rows) only when a
+ * callback reads them or the backend cannot choose tokens. */
+static m3_status verify(loop *l, group *g, const m3_request *vr, int q0, int q1) {
     int32_t targets[M3_MAX_DRAFT_REQS * (M3_MAX_DRAFT_BLOCK + 1)];
     bool host = l->read || !m3_engine_greedy_on_device(l->e);
+    int row0 = g->first[q0];
     if (host)
-        M3_TRY(m3_engine_step(l->e, vr, g->m, NULL, l->logits));
+        M3_TRY(m3_engine_step(l->e, vr + q0, q1 - q0, NULL, l->logits + (size_t)row0 * l->V));
     else
-        M3_TRY(m3_engine_step_greedy(l->e, vr, g->m, targets));
+        M3_TRY(m3_engine_step_greedy(l->e, vr + q0, q1 - q0, targets + row0));
     m3_sampler greedy = {0, 0, 1, 0}; /* temperature 0: argmax, lowest id on ties */
-    for (int q = 0; q < g->m; q++) {
+    for (int q = q0; q < q1; q++) {
         const int32_t *d = g->rows_tok + g->first[q] + 1;
         int32_t *t = targets + g->first[q];
         /* rows after the first mismatch are not read */
@@ -172,31 +179,53 @@ static m3_status verify(loop *l, group *g) {
     return M3_OK;
 }
 
-/* One draft-and-verify cycle of the group's requests. */
+/* Requests [q0, q1) of the group (q1 returned): as many as fit one target step whose
+ * rows each get a one-row step's bits (m3_engine_exact_rows; at least one
+ * request), so the verify step's tokens are plain greedy decoding's. */
+static int verify_part(const loop *l, const group *g, int q0) {
+    int cap = m3_engine_exact_rows(l->e), q1 = q0 + 1;
+    while (q1 < g->m && (cap <= 0 || g->first[q1 + 1] - g->first[q0] <= cap))
+        q1++;
+    return q1;
+}
+
+/* One draft-and-verify cycle of the group's requests: one draft step,
+ * then the target's steps over their rows (one where the backend's rows
+ * do not depend on the step's row count, else parts of at most that many
+ * rows), each part's kept rows cut back to and handed to the proposer as
+ * context before the next part runs. */
 static m3_status cycle(loop *l, group *g) {
     double t0 = m3_now_seconds();
     M3_TRY(propose(l, g));
-    double t1 = m3_now_seconds();
-    M3_TRY(verify(l, g));
-    double t2 = m3_now_seconds();
+    l->stats->draft_seconds += m3_now_seconds() - t0;
+    m3_request vr[M3_MAX_DRAFT_REQS];
+    verify_rows(l, g, vr);
     uint8_t keep[M3_MAX_DRAFT_REQS * (M3_MAX_DRAFT_BLOCK + 1)];
     memset(keep, 0, sizeof keep);
-    for (int q = 0; q < g->m; q++) {
-        req *r = &l->rq[g->who[q]];
-        if (g->nb[q] > 0)
-            M3_TRY(record(l, g->who[q], g->drafts + (size_t)g->slot[q] * l->B,
-                          l->draft_logits ? l->draft_logits + (size_t)g->slot[q] * l->B * l->V
-                                          : NULL,
-                          g->nb[q], g->n_acc[q]));
-        /* the kept rows: the anchor and the accepted drafts */
-        M3_TRY(m3_engine_set_len(l->e, r->seq, r->p + g->n_acc[q] + 1));
-        memset(keep + g->first[q], 1, (size_t)g->n_acc[q] + 1);
+    for (int q0 = 0, q1; q0 < g->m; q0 = q1) {
+        q1 = verify_part(l, g, q0);
+        double t1 = m3_now_seconds();
+        M3_TRY(verify(l, g, vr, q0, q1));
+        double t2 = m3_now_seconds();
+        for (int q = q0; q < q1; q++) {
+            req *r = &l->rq[g->who[q]];
+            if (g->nb[q] > 0)
+                M3_TRY(record(l, g->who[q], g->drafts + (size_t)g->slot[q] * l->B,
+                              l->draft_logits
+                                  ? l->draft_logits + (size_t)g->slot[q] * l->B * l->V
+                                  : NULL,
+                              g->nb[q], g->n_acc[q]));
+            /* the kept rows: the anchor and the accepted drafts */
+            M3_TRY(m3_engine_set_len(l->e, r->seq, r->p + g->n_acc[q] + 1));
+            memset(keep + g->first[q], 1, (size_t)g->n_acc[q] + 1);
+        }
+        double t3 = m3_now_seconds();
+        M3_TRY(l->pr->extend(l->pr->self, g->first[q1] - g->first[q0], keep + g->first[q0]));
+        l->stats->draft_seconds += m3_now_seconds() - t3;
+        l->stats->verify_seconds += t2 - t1;
+        l->stats->verify_steps++;
     }
-    double t3 = m3_now_seconds();
-    M3_TRY(l->pr->extend(l->pr->self, g->rows, keep));
     l->stats->batch_steps++;
-    l->stats->draft_seconds += (t1 - t0) + (m3_now_seconds() - t3);
-    l->stats->verify_seconds += t2 - t1;
     for (int q = 0; q < g->m; q++) {
         int i = g->who[q];
         req *r = &l->rq[i];

@@ -361,6 +361,10 @@ def check_batch(m3, target, draft, prompts, n_gen):
         shared = spec["spec"].get("batch_steps", 0) < spec["spec"].get("cycles", 0)
         if not shared:
             fails.append(f"batch --tp {tp}: the requests never shared a draft step")
+        # the CPU's rows round alike at any count: one verify step a cycle
+        if spec["spec"].get("verify_steps") != spec["spec"].get("batch_steps"):
+            fails.append(f"batch --tp {tp}: {spec['spec'].get('verify_steps')} verify steps for "
+                         f"{spec['spec'].get('batch_steps')} cycles on the CPU")
         print(f"batch of {len(prompts)} at --tp {tp}: {spec['spec'].get('cycles')} cycles in "
               f"{spec['spec'].get('batch_steps')} steps; tokens and draft steps "
               f"{'equal' if not fails else 'DIFFER from'} each prompt's alone")

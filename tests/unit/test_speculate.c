@@ -226,12 +226,16 @@ static bool same_as_plain(const m3_gen_result *res, const plain_run *got, const 
 }
 
 /* n requests (1 or NREQ) through the oracle with a plan; max_rows sets
- * how many requests a cycle takes (max_rows / (block + 1)). */
-static void oracle_case(m3_model *m, const plain_run *plain, int n, int max_rows,
-                        const int *plan, int n_plan, int block, int max_new, const char *what) {
+ * how many requests a cycle takes (max_rows / (block + 1)); exact_rows, as
+ * a backend's (0: any), how many rows a verify step may have, so that a
+ * cycle verifies in parts of whole requests. */
+static void oracle_case_exact(m3_model *m, const plain_run *plain, int n, int max_rows,
+                              const int *plan, int n_plan, int block, int max_new,
+                              int exact_rows, const char *what) {
     m3_engine *e = make_engine(m, max_rows, n);
     if (!e)
         return;
+    e->be->exact_rows = exact_rows;
     int V = plain[0].V;
     prompts ps;
     make_prompts(&ps, V);
@@ -264,9 +268,18 @@ static void oracle_case(m3_model *m, const plain_run *plain, int n, int max_rows
     int per_step = max_rows / (block + 1) < n ? max_rows / (block + 1) : n;
     CHECK(o.most == per_step); /* a draft step takes as many requests as fit */
     CHECK(stats.n_steps == stats.cycles && stats.batch_steps >= o.calls);
-    printf("%s: %lld cycles in %lld steps, %lld accepted of %lld\n", what,
-           (long long)stats.cycles, (long long)stats.batch_steps, (long long)stats.accepted,
-           (long long)stats.drafted);
+    /* a verify step a cycle, or one a part: as many whole requests as fit
+     * exact_rows (block + 1 rows each while they draft; at least one) */
+    int part = exact_rows > 0 ? exact_rows / (block + 1) : per_step;
+    part = part < 1 ? 1 : part < per_step ? part : per_step;
+    if (part == per_step)
+        CHECK(stats.verify_steps == stats.batch_steps);
+    else
+        CHECK(stats.verify_steps >= stats.batch_steps + 1 &&
+              stats.verify_steps <= stats.batch_steps * ((per_step + part - 1) / part));
+    printf("%s: %lld cycles in %lld steps (%lld verify steps), %lld accepted of %lld\n", what,
+           (long long)stats.cycles, (long long)stats.batch_steps,
+           (long long)stats.verify_steps, (long long)stats.accepted, (long long)stats.drafted);
     m3_spec_stats_free(&stats);
     for (int r = 0; r < n; r++) {
         free(res[r].tokens);
@@ -276,6 +289,8 @@ static void oracle_case(m3_model *m, const plain_run *plain, int n, int max_rows
      * step's come from m3_engine_step_greedy; here the CPU's, from the
      * logits on the host): the same run */
     m3_engine *e2 = make_engine(m, max_rows, n);
+    if (e2)
+        e2->be->exact_rows = exact_rows;
     oracle o2 = oracle_for(e2, plain, block, plan, n_plan, max_new, n);
     m3_proposer pr2 = {block, NREQ, &o2, oracle_extend, oracle_propose};
     go.on_request_token = NULL;
@@ -290,6 +305,11 @@ static void oracle_case(m3_model *m, const plain_run *plain, int n, int max_rows
     }
     m3_engine_free(e2);
     m3_engine_free(e);
+}
+
+static void oracle_case(m3_model *m, const plain_run *plain, int n, int max_rows,
+                        const int *plan, int n_plan, int block, int max_new, const char *what) {
+    oracle_case_exact(m, plain, n, max_rows, plan, n_plan, block, max_new, 0, what);
 }
 
 /* An end-of-sequence token inside an accepted run ends generation there
@@ -454,11 +474,18 @@ static void drafter_case(m3_model *m, const plain_run *plain, int64_t window) {
         m3_engine_free(e);
     }
     /* the batch at TP 1 (two requests a draft step, then one: max_rows 16)
-     * and TP 2 (ranks as threads; the drafter whole on rank 0): each
-     * request's tokens, and its draft steps bitwise as alone */
-    static const int tps[] = {1, 2};
-    for (int k = 0; k < 2; k++) {
-        m3_engine *e = make_engine_tp(m, 16, tps[k], NREQ);
+     * and TP 2 (ranks as threads; the drafter whole on rank 0), and all
+     * three a draft step (max_rows 64) on a backend that verifies at most
+     * 8 rows a step (a request a verify step: the drafter's context taken
+     * a step at a time): each request's tokens, and its draft steps
+     * bitwise as alone */
+    static const int tps[] = {1, 2, 1, 2}, rows_of[] = {16, 16, 64, 64}, exact[] = {0, 0, 8, 8};
+    for (int k = 0; k < 4; k++) {
+        m3_engine *e = make_engine_tp(m, rows_of[k], tps[k], NREQ);
+        CHECK(e != NULL);
+        if (!e)
+            continue;
+        (e->be ? e : e->ranks[0])->be->exact_rows = exact[k];
         m3_gen_result res[NREQ];
         m3_spec_stats stats = {.keep_steps = true, .keep_draft_logits = true};
         CHECK_OK(m3_generate_speculative_batch(e, dr, NREQ, ps.p, ps.n, &go, res, &stats));
@@ -487,6 +514,8 @@ static void drafter_case(m3_model *m, const plain_run *plain, int64_t window) {
             free(res[r].tokens);
         }
         CHECK(stats.batch_steps < stats.cycles); /* requests shared steps */
+        CHECK(exact[k] ? stats.verify_steps > stats.batch_steps
+                       : stats.verify_steps == stats.batch_steps);
         m3_spec_stats_free(&stats);
         m3_engine_free(e);
     }
@@ -786,6 +815,15 @@ int main(void) {
     if (full)
         oracle_case(m, plain, NREQ, 64, all, 1, 7, 13, "a batch of 3, the end inside a block");
     oracle_case(m, plain, NREQ, 8, two, 1, 3, MAX_NEW, "a batch of 3, block 3, 2 a step");
+    /* a backend whose rows round alike only up to 16 (CUDA) or 8 rows a
+     * step: the three requests of a cycle verified two, or one, a step */
+    oracle_case_exact(m, plain, NREQ, 64, cycle_plan, 8, 7, MAX_NEW, 16,
+                      "a batch of 3 a step, verified in steps of 16 rows");
+    oracle_case_exact(m, plain, NREQ, 64, two, 1, 3, MAX_NEW, 8,
+                      "a batch of 3 a step, block 3, verified in steps of 8 rows");
+    if (full)
+        oracle_case_exact(m, plain, NREQ, 64, all, 1, 7, 13, 4,
+                          "a batch of 3 a step, verified a request a step (4 exact rows)");
     stop_cases(m, plain);
     if (full)
         drafter_case(m, plain, 0);
