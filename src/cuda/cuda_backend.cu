@@ -437,6 +437,18 @@ static int64_t draft_split_from(void) {
     return x >= 1 && end && *end == '\0' ? (int64_t)x : M3_CUDA_DRAFT_SPLIT_FROM;
 }
 
+/* The rows up to which a bf16 linear stays on the MMA kernel, the
+ * backend's exact_rows: M3_LINEAR_MMA_ROWS, 16, 32 or 64, else the
+ * default (16: cuBLAS from 17 rows). 32 and 64 make a speculative cycle
+ * of 3-8 requests one verify step again (spec/speculate.c), at the cost,
+ * unmeasured so far, of a 32-row MMA launch against cuBLAS. */
+static int linear_mma_rows(void) {
+    const char *v = getenv("M3_LINEAR_MMA_ROWS");
+    if (v && (!strcmp(v, "16") || !strcmp(v, "32") || !strcmp(v, "64")))
+        return atoi(v);
+    return M3_CUDA_EXACT_ROWS;
+}
+
 /* The groups (KV heads x requests x query passes) from which the split
  * kernel runs its two-CTAs-a-multiprocessor build: M3_DRAFT_SPLIT_TWO_FROM,
  * 0 (never) or more, else the default. */
@@ -460,7 +472,8 @@ extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     }
     be->ops = &cuda_ops;
     be->impl = cu;
-    be->exact_rows = M3_CUDA_EXACT_ROWS;
+    cu->linear_mma_rows = linear_mma_rows();
+    be->exact_rows = cu->linear_mma_rows;
     cu->device = device;
     cu->sm_count = prop.multiProcessorCount;
     cu->l2_bytes = (size_t)prop.l2CacheSize;

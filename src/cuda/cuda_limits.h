@@ -20,7 +20,9 @@
 #define M3_CUDA_MOE_ALIGN 32          /* hidden and expert widths: multiples of this */
 #define M3_CUDA_SAMPLE_MAX_VOCAB (1 << 30) /* int ids and offsets never overflow */
 #define M3_CUDA_EXACT_ROWS 16        /* rows a step can have with each row's bits a one-row
-                                       * step's (the linear's MMA kernel; cuBLAS beyond) */
+                                       * step's (the linear's MMA kernel; cuBLAS beyond):
+                                       * the default of M3_LINEAR_MMA_ROWS (16, 32 or 64) */
+#define M3_CUDA_LINEAR_MMA_PASS 32   /* the most rows one launch of that kernel takes */
 #define M3_CUDA_DRAFT_MAX_ROWS 16     /* draft_attention over a long context: block rows */
 #define M3_CUDA_DRAFT_SPLIT_FROM 256  /* draft_attention: context keys from which they are
                                        * split over CTAs (M3_DRAFT_SPLIT_FROM; docs/PERF.md,

@@ -15,8 +15,8 @@
 #include "cuda/cuda_internal.h"
 #include "cuda/cuda_lmma.cuh"
 
-static_assert(M3_CUDA_EXACT_ROWS <= GEMV_MAX_T,
-              "a step's rows up to M3_CUDA_EXACT_ROWS stay on the MMA kernel");
+static_assert(M3_CUDA_EXACT_ROWS <= GEMV_MAX_T && M3_CUDA_LINEAR_MMA_PASS == 4 * 8,
+              "the MMA kernel takes 8, 16 or 32 rows a launch (1, 2 or 4 column tiles)");
 
 /* The weights of one launch: several linears of the same x (a layer's q,
  * k, v and index projections; gate and up) as one grid of tiles, weight i
@@ -220,17 +220,23 @@ __global__ void linear_scalar_kernel(gemv_weight W, bool fp8, const uint16_t *x,
         static_cast<uint16_t *>(out)[i] = m3_to_bf(acc);
 }
 
-/* 1-8 rows: one 8-column MMA tile; 9-16: two. A row's sums are the same
- * in both (see linear_mma_kernel). */
+/* 1-8 rows: one 8-column MMA tile; 9-16: two; 17-32 (M3_LINEAR_MMA_ROWS
+ * above 16): four. A row's sums are the same in each (see
+ * linear_mma_kernel). */
 static m3_status launch_set(m3_cuda *cu, const lmma_set &set, bool fp8, const uint16_t *x,
                             int rows, int K, int n_chunks, bool out_f32) {
     if (n_chunks < 1 || n_chunks > LMMA_MAX_NC)
         return m3_fail(M3_ERR_INTERNAL, "linear: %d K chunks (1..%d)", n_chunks, LMMA_MAX_NC);
+    if (rows > M3_CUDA_LINEAR_MMA_PASS)
+        return m3_fail(M3_ERR_INTERNAL, "linear: %d rows in one MMA launch (at most %d)", rows,
+                       M3_CUDA_LINEAR_MMA_PASS);
     if (fp8)
-        return rows <= 8 ? launch_mma<1, true>(cu, set, x, rows, K, n_chunks, out_f32)
-                         : launch_mma<2, true>(cu, set, x, rows, K, n_chunks, out_f32);
-    return rows <= 8 ? launch_mma<1, false>(cu, set, x, rows, K, n_chunks, out_f32)
-                     : launch_mma<2, false>(cu, set, x, rows, K, n_chunks, out_f32);
+        return rows <= 8    ? launch_mma<1, true>(cu, set, x, rows, K, n_chunks, out_f32)
+               : rows <= 16 ? launch_mma<2, true>(cu, set, x, rows, K, n_chunks, out_f32)
+                            : launch_mma<4, true>(cu, set, x, rows, K, n_chunks, out_f32);
+    return rows <= 8    ? launch_mma<1, false>(cu, set, x, rows, K, n_chunks, out_f32)
+           : rows <= 16 ? launch_mma<2, false>(cu, set, x, rows, K, n_chunks, out_f32)
+                        : launch_mma<4, false>(cu, set, x, rows, K, n_chunks, out_f32);
 }
 
 static gemv_weight gemv_weight_of(const m3_linear *w) {
@@ -358,19 +364,21 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
                        w->w.name ? w->w.name : "?", m3_dtype_name(w->w.dtype));
     bool out_f32 = out_dtype == M3_DT_F32;
     int64_t N = w->w.ne[0], K = w->w.ne[1];
-    /* Decode rows (<= 16) stay on our kernel: each row's sums then never
-     * depend on how many rows share the step (cuBLAS picks its kernel, and
-     * so a sum's order, by the shape), so a 16-row step gives each row
-     * the bits of a 1-row step. */
+    /* Decode rows (<= 16, or cu->linear_mma_rows) stay on our kernel: each
+     * row's sums then never depend on how many rows share the step (cuBLAS
+     * picks its kernel, and so a sum's order, by the shape), so a 16-row
+     * step gives each row the bits of a 1-row step. */
     /* (a row-parallel weight whose chunks cuBLAS cannot take stays on the
      * GEMV, whose sums are cut alike at every row count) */
-    if (rows > GEMV_MAX_T && w->w.dtype == M3_DT_BF16 && K % 8 == 0 && N < INT32_MAX &&
-        cublas_k_chunks(w) > 0)
+    if (rows > cu->linear_mma_rows && w->w.dtype == M3_DT_BF16 && K % 8 == 0 &&
+        N < INT32_MAX && cublas_k_chunks(w) > 0)
         return m3_cuda_linear_cublas(cu, rows, x, w, out_dtype, out);
-    /* MXFP8 (or odd shapes) past 16 rows: 16 rows per pass */
+    /* past one launch's rows (MXFP8, odd shapes, or up to 64 rows): a pass
+     * of 16 rows at a time (32 where linear_mma_rows asks for more) */
+    const int pass = cu->linear_mma_rows > GEMV_MAX_T ? M3_CUDA_LINEAR_MMA_PASS : GEMV_MAX_T;
     size_t out_size = out_f32 ? 4 : 2;
-    for (int r0 = 0; r0 < rows; r0 += GEMV_MAX_T) {
-        int n = rows - r0 < GEMV_MAX_T ? rows - r0 : GEMV_MAX_T;
+    for (int r0 = 0; r0 < rows; r0 += pass) {
+        int n = rows - r0 < pass ? rows - r0 : pass;
         M3_TRY(gemv_dispatch(cu, n, x + (int64_t)r0 * K, w, out_f32,
                              static_cast<char *>(out) + (size_t)r0 * N * out_size));
     }

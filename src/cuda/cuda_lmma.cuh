@@ -1,7 +1,8 @@
 /*
  * The decode linear's tensor-core core (cuda_linear.cu's linear_mma_kernel;
  * the fused drafter layers, cuda_draft_layers.cu): one warp's partial sums
- * of a 16-row weight tile over one K chunk, for up to 8 NT rows of x. Kept
+ * of a 16-row weight tile over one K chunk, for up to 8 NT rows of x (NT
+ * 1, 2 or 4). Kept
  * in one place so that every kernel built on it sums a chunk in the same
  * order, and so gives the same bits.
  */
@@ -34,9 +35,10 @@
 /* Pieces of 32 columns a stage (two stages in flight): 3 where CTAs of
  * 4-8 warps must fit two a multiprocessor (~106 registers at 1-8 rows;
  * 4 pieces spill there); LMMA_DEEP where a CTA is one or two warps and
- * each must keep more in flight itself. The order of the sums does not
+ * each must keep more in flight itself (2 at 4 column tiles, 17-32 rows,
+ * whose x fragments would not fit more). The order of the sums does not
  * depend on it. */
-#define LMMA_DEEP(NT) ((NT) == 1 ? 6 : 4)
+#define LMMA_DEEP(NT) ((NT) == 1 ? 6 : (NT) == 2 ? 4 : 2)
 #define LMMA_MIN_CTAS(NT, U) ((U) == 3 && (NT) == 1 ? 2 : 1)
 
 template <int NT, bool FP8, int U>

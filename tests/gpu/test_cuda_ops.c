@@ -14,8 +14,10 @@
  *   - bf16 outputs of math done in a different order (norms, projections,
  *     RoPE, attention, SwiGLU, MoE): relative L2 <= 1e-2 (TOL_BF16).
  *   - fp32 outputs of the linear op: relative L2 <= 1e-5 (TOL_F32: the
- *     same products summed in another order); at decode row counts (1-16)
- *     each row's sums bitwise those of the same row in a 16-row run, and
+ *     same products summed in another order); at decode row counts (1-16,
+ *     or up to the backend's exact_rows: M3_LINEAR_MMA_ROWS=32 or 64 runs
+ *     this test's linears on the 32-row MMA kernel) each row's sums
+ *     bitwise those of the same row in a run of that many rows, and
  *     linear_group's outputs bitwise those of each linear alone.
  *   - copies (embed, gather_rows, cache_write) and one bf16 addition (the
  *     add_rmsnorm residual, add_rows): bit-exact.
@@ -245,27 +247,31 @@ static void linear_run(const char *op, int rows, const uint16_t *x, const m3_lin
 }
 
 /* Decode row counts: row i's fp32 sums are the same bits whatever the
- * step's row count (1-16), as a speculative verify step (8 rows) must give
- * the tokens of plain decode steps (1 row). The reference is the 16-row
- * run; each count runs the first rows of the same x. */
+ * step's row count (1-16, or the backend's exact_rows where
+ * M3_LINEAR_MMA_ROWS raises it to 32 or 64), as a speculative verify step
+ * must give the tokens of plain decode steps (1 row). The reference is the
+ * run of that many rows; each count runs the first rows of the same x. */
 static void linear_rows_invariance(const m3_linear *hw, const m3_linear *dw) {
-    static const int counts[] = {1, 3, 8, 9, 15};
+    static const int counts[] = {1, 3, 8, 9, 15, 16, 17, 24, 31, 32, 33, 48};
+    const int R = g_gpu->exact_rows > 16 ? g_gpu->exact_rows : 16;
     int64_t N = hw->w.ne[0], K = hw->w.ne[1];
-    uint16_t *x = rand_bf16(16 * K, 1.0f), *dx = dev_from(x, (size_t)(16 * K) * 2);
-    void *d16 = dev_buf(NULL, (size_t)16 * N * 4);
+    uint16_t *x = rand_bf16(R * K, 1.0f), *dx = dev_from(x, (size_t)(R * K) * 2);
+    void *d16 = dev_buf(NULL, (size_t)R * N * 4);
     char shape[96];
-    snprintf(shape, sizeof shape, "rows 16 N %lld K %lld %s->f32", (long long)N, (long long)K,
-             hw->w.dtype == M3_DT_BF16 ? "bf16" : "mxfp8");
-    m3_status st = gpu_done(g_gpu->ops->linear(g_gpu, 16, dx, dw, M3_DT_F32, d16));
+    snprintf(shape, sizeof shape, "rows %d N %lld K %lld %s->f32", R, (long long)N,
+             (long long)K, hw->w.dtype == M3_DT_BF16 ? "bf16" : "mxfp8");
+    m3_status st = gpu_done(g_gpu->ops->linear(g_gpu, R, dx, dw, M3_DT_F32, d16));
     if (st) {
         report_error("linear rows", shape, st);
         return;
     }
     bool guard;
-    float *ref = dev_fetch(d16, (size_t)16 * N * 4, &guard);
+    float *ref = dev_fetch(d16, (size_t)R * N * 4, &guard);
     for (size_t i = 0; i < sizeof counts / sizeof *counts; i++) {
         int rows = counts[i];
-        snprintf(shape, sizeof shape, "rows %d vs 16, N %lld K %lld %s->f32, bits", rows,
+        if (rows >= R)
+            break;
+        snprintf(shape, sizeof shape, "rows %d vs %d, N %lld K %lld %s->f32, bits", rows, R,
                  (long long)N, (long long)K, hw->w.dtype == M3_DT_BF16 ? "bf16" : "mxfp8");
         void *d = dev_buf(NULL, (size_t)rows * N * 4);
         st = gpu_done(g_gpu->ops->linear(g_gpu, rows, dx, dw, M3_DT_F32, d));
@@ -300,7 +306,7 @@ static void linear_rows_invariance(const m3_linear *hw, const m3_linear *dw) {
 }
 
 static void linear_weight_cases(int64_t N, int64_t K, bool fp8) {
-    static const int rows_list[] = {1, 2, 3, 5, 8, 13, 16, 100};
+    static const int rows_list[] = {1, 2, 3, 5, 8, 13, 16, 24, 32, 48, 100};
     m3_linear hw = make_linear(N, K, fp8, 1.0f), dw = linear_to_gpu(&hw);
     for (size_t i = 0; i < sizeof rows_list / sizeof *rows_list; i++) {
         int rows = rows_list[i];
