@@ -834,7 +834,8 @@ static void batch_case(const char *what, m3_model *m, const char *draft_dir, int
      * engine shape (its prefill alike, its decode steps of 3 rows): the
      * same tokens, since a cycle verifies in steps of at most the
      * backend's exact rows (16: two steps for all three requests' 24 rows,
-     * one for two requests' 16), whose rows round as a decode step's */
+     * one for two requests' 16; M3_LINEAR_MMA_ROWS=64: one), whose rows
+     * round as a decode step's */
     g_cases++;
     m3_engine *ep = engine_rows(m, M3_DEVICE_CUDA, true, N_BATCH, max_rows);
     m3_gen_opts pgo = m3_gen_defaults();
@@ -849,7 +850,8 @@ static void batch_case(const char *what, m3_model *m, const char *draft_dir, int
                       !memcmp(pres[r].tokens, g.tokens[r], sizeof g.tokens[r]);
         free(pres[r].tokens);
     }
-    int part = 16 / (B + 1), per_cycle = max_rows / (B + 1) < N_BATCH ? max_rows / (B + 1)
+    int exact = g_gpu->exact_rows > 0 ? g_gpu->exact_rows : 1 << 20;
+    int part = exact / (B + 1), per_cycle = max_rows / (B + 1) < N_BATCH ? max_rows / (B + 1)
                                                                      : N_BATCH;
     bool parts_ok = ok && (per_cycle > part ? g.s.verify_steps > g.s.batch_steps
                                             : g.s.verify_steps == g.s.batch_steps);
