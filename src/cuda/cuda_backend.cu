@@ -427,14 +427,13 @@ static m3_status check_device(int device, cudaDeviceProp *prop) {
     return M3_OK;
 }
 
-/* The drafter attention's context length from which the split kernels
- * run (cuda_draft_split.cu): M3_DRAFT_SPLIT_FROM, a count of keys (1 or
- * more), else the default. */
-static int64_t draft_split_from(void) {
-    const char *v = getenv("M3_DRAFT_SPLIT_FROM");
+/* A count from the environment variable `name`: an integer of at least
+ * `least`, else `fallback` (unset, empty, not a number, too small). */
+static int64_t env_count(const char *name, int64_t least, int64_t fallback) {
+    const char *v = getenv(name);
     char *end = NULL;
     long long x = v && *v ? strtoll(v, &end, 10) : 0;
-    return x >= 1 && end && *end == '\0' ? (int64_t)x : M3_CUDA_DRAFT_SPLIT_FROM;
+    return end && *end == '\0' && x >= least ? (int64_t)x : fallback;
 }
 
 /* The rows up to which a bf16 linear stays on the MMA kernel, the
@@ -443,20 +442,8 @@ static int64_t draft_split_from(void) {
  * of 3-8 requests one verify step again (spec/speculate.c), at the cost,
  * unmeasured so far, of a 32-row MMA launch against cuBLAS. */
 static int linear_mma_rows(void) {
-    const char *v = getenv("M3_LINEAR_MMA_ROWS");
-    if (v && (!strcmp(v, "16") || !strcmp(v, "32") || !strcmp(v, "64")))
-        return atoi(v);
-    return M3_CUDA_EXACT_ROWS;
-}
-
-/* The groups (KV heads x requests x query passes) from which the split
- * kernel runs its two-CTAs-a-multiprocessor build: M3_DRAFT_SPLIT_TWO_FROM,
- * 0 (never) or more, else the default. */
-static int64_t draft_split_two_from(void) {
-    const char *v = getenv("M3_DRAFT_SPLIT_TWO_FROM");
-    char *end = NULL;
-    long long x = v && *v ? strtoll(v, &end, 10) : -1;
-    return x >= 0 && end && *end == '\0' ? (int64_t)x : M3_CUDA_DRAFT_SPLIT_TWO_FROM;
+    int64_t x = env_count("M3_LINEAR_MMA_ROWS", 16, M3_CUDA_EXACT_ROWS);
+    return x == 16 || x == 32 || x == 64 ? (int)x : M3_CUDA_EXACT_ROWS;
 }
 
 extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
@@ -472,13 +459,16 @@ extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     }
     be->ops = &cuda_ops;
     be->impl = cu;
-    cu->linear_mma_rows = linear_mma_rows();
-    be->exact_rows = cu->linear_mma_rows;
+    be->exact_rows = linear_mma_rows();
     cu->device = device;
     cu->sm_count = prop.multiProcessorCount;
     cu->l2_bytes = (size_t)prop.l2CacheSize;
-    cu->draft_split_from = draft_split_from();
-    cu->draft_split_two_from = draft_split_two_from();
+    /* the drafter attention's context keys from which the split kernels
+     * run, and the groups (KV heads x requests x query passes) from which
+     * those run their two-CTAs-a-multiprocessor build (0: never) */
+    cu->draft_split_from = env_count("M3_DRAFT_SPLIT_FROM", 1, M3_CUDA_DRAFT_SPLIT_FROM);
+    cu->draft_split_two_from =
+        env_count("M3_DRAFT_SPLIT_TWO_FROM", 0, M3_CUDA_DRAFT_SPLIT_TWO_FROM);
     m3_status st = M3_OK;
     cudaError_t err = cudaSetDevice(device);
     if (err == cudaSuccess)

@@ -53,9 +53,6 @@ typedef struct m3_cuda {
     size_t l2_bytes;
     int64_t draft_split_from; /* drafter context keys from which its attention splits them
                                * over CTAs (M3_DRAFT_SPLIT_FROM) */
-    int linear_mma_rows; /* rows up to which a bf16 linear stays on its MMA kernel (each
-                          * row's bits a one-row step's), cuBLAS past them: 16, or 32 / 64
-                          * from M3_LINEAR_MMA_ROWS (not yet measured on a GPU) */
     int64_t draft_split_two_from; /* KV heads x requests x query passes from which those
                                    * CTAs run two a multiprocessor (M3_DRAFT_SPLIT_TWO_FROM;
                                    * 0: never) */

@@ -364,18 +364,19 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
                        w->w.name ? w->w.name : "?", m3_dtype_name(w->w.dtype));
     bool out_f32 = out_dtype == M3_DT_F32;
     int64_t N = w->w.ne[0], K = w->w.ne[1];
-    /* Decode rows (<= 16, or cu->linear_mma_rows) stay on our kernel: each
+    /* Decode rows (<= be->exact_rows: 16, or 32 / 64 from
+     * M3_LINEAR_MMA_ROWS, not yet measured on a GPU) stay on our kernel: each
      * row's sums then never depend on how many rows share the step (cuBLAS
      * picks its kernel, and so a sum's order, by the shape), so a 16-row
      * step gives each row the bits of a 1-row step. */
     /* (a row-parallel weight whose chunks cuBLAS cannot take stays on the
      * GEMV, whose sums are cut alike at every row count) */
-    if (rows > cu->linear_mma_rows && w->w.dtype == M3_DT_BF16 && K % 8 == 0 &&
+    if (rows > be->exact_rows && w->w.dtype == M3_DT_BF16 && K % 8 == 0 &&
         N < INT32_MAX && cublas_k_chunks(w) > 0)
         return m3_cuda_linear_cublas(cu, rows, x, w, out_dtype, out);
     /* past one launch's rows (MXFP8, odd shapes, or up to 64 rows): a pass
-     * of 16 rows at a time (32 where linear_mma_rows asks for more) */
-    const int pass = cu->linear_mma_rows > GEMV_MAX_T ? M3_CUDA_LINEAR_MMA_PASS : GEMV_MAX_T;
+     * of 16 rows at a time (32 where exact_rows asks for more) */
+    const int pass = be->exact_rows > GEMV_MAX_T ? M3_CUDA_LINEAR_MMA_PASS : GEMV_MAX_T;
     size_t out_size = out_f32 ? 4 : 2;
     for (int r0 = 0; r0 < rows; r0 += pass) {
         int n = rows - r0 < pass ? rows - r0 : pass;
