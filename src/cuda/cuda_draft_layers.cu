@@ -346,12 +346,9 @@ __device__ __forceinline__ void hnr_item(const DLArgs &a, const DLayer &L, int i
 
 __device__ __forceinline__ void attn_item(const DLArgs &a, const DLayer &L, int i) {
     const int t = i / a.Nq, h = i % a.Nq, g = t / a.B;
-    const int64_t qo = (int64_t)g * a.B * a.Nq * kDim, ko = (int64_t)g * a.B * a.Nkv * kDim;
-    const DraftArgs d = {a.q + qo, a.k + ko, a.v + ko, L.kc, L.vc,
-                         a.pages + (int64_t)g * a.max_blocks, a.positions + (int64_t)g * a.B,
-                         a.window, a.B, a.Nq, a.Nkv, a.scale, a.attn + qo, 1,
-                         a.max_blocks};
-    draft_attention_item<kDim, true>(d, t - g * a.B, h);
+    const DraftArgs all = {a.q, a.k, a.v, L.kc, L.vc, a.pages, a.positions, a.window,
+                           a.B, a.Nq, a.Nkv, a.scale, a.attn, a.n, a.max_blocks};
+    draft_attention_item<kDim, true>(request_view<kDim>(all, g), t - g * a.B, h);
 }
 
 /* ---- one item ---- */
