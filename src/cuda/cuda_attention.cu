@@ -21,7 +21,8 @@
  *   The number of splits depends on capacities only (rows past 16, the
  *   whole model's KV heads, max_blocks or topk, the SM count): at most one
  *   wave of TP 1's CTAs for one row, so a TP rank splits each head's keys
- *   as TP 1 does, and a decode row's keys are split alike at 1-16 rows.
+ *   as TP 1 does, and a decode row's keys are split alike at 1-16 rows
+ *   (up to the backend's exact_rows, where M3_LINEAR_MMA_ROWS raises it).
  *
  * Measured on an H200 (1 row, TP1 shapes, 1M-token context): dense
  * attention ~4.0 TB/s, sparse attention ~15 us (latency: a chain of
@@ -365,7 +366,8 @@ __global__ void __launch_bounds__(kCombThreads) attn_combine_kernel(CombineArgs 
     }
 }
 
-/* Row counts whose splits are one row's (decode and verify steps). */
+/* Row counts whose splits are one row's (decode and verify steps): at
+ * least these, and up to the backend's exact_rows where that is more. */
 #define M3_ATTN_INVARIANT_ROWS 16
 
 /* Split policy: at most one wave of CTAs (a partial second wave would
@@ -382,7 +384,7 @@ static int attn_splits(const m3_cuda *cu, int per_sm, int64_t base, int64_t unit
 
 template <int D>
 static m3_status attn_run(m3_cuda *cu, AttnArgs a, int rows, bool sparse, int max_blocks,
-                          int64_t row_ctas) {
+                          int64_t row_ctas, int invariant_rows) {
     const int smem = AttnCfg<D>::kSmem;
     M3_CUDA_TRY(cudaFuncSetAttribute(attn_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      smem));
@@ -390,10 +392,11 @@ static m3_status attn_run(m3_cuda *cu, AttnArgs a, int rows, bool sparse, int ma
     int64_t base = (int64_t)rows * a.kv_heads * a.mtiles;
     /* splits from the whole model's CTAs per row (a TP rank's grid is then
      * a share of one wave), so every world splits a head's keys alike; for
-     * decode row counts (<= 16) those of one row, so a row's output is the
-     * same bits alone or batched (a 16-row step runs up to 16 waves) and a
+     * decode row counts (<= invariant_rows: 16, or the backend's
+     * exact_rows) those of one row, so a row's output is the same bits
+     * alone or batched (a 16-row step runs up to 16 waves) and a
      * speculative verify step's rows are plain decode steps' rows */
-    const int64_t wave_rows = rows <= M3_ATTN_INVARIANT_ROWS ? 1 : rows;
+    const int64_t wave_rows = rows <= invariant_rows ? 1 : rows;
     a.splits = attn_splits(cu, per_sm, wave_rows * row_ctas,
                            2 * (int64_t)(sparse ? a.topk : max_blocks));
     int64_t grid = base * a.splits, items = (int64_t)rows * a.q_heads;
@@ -467,14 +470,16 @@ extern "C" m3_status m3_cuda_attention(m3_backend *be, const m3_step *step, int 
     int fq = be->full_q_heads, fkv = be->full_kv_heads;
     if (fq > 0 && fkv > 0 && fq % fkv == 0)
         row_ctas = (int64_t)fkv * ((fq / fkv + kHeadTile - 1) / kHeadTile);
+    const int inv = be->exact_rows > M3_ATTN_INVARIANT_ROWS ? be->exact_rows
+                                                            : M3_ATTN_INVARIANT_ROWS;
     switch (dim) {
-    case 32: return attn_run<32>(cu, a, rows, sparse, mb, row_ctas);
-    case 64: return attn_run<64>(cu, a, rows, sparse, mb, row_ctas);
-    case 96: return attn_run<96>(cu, a, rows, sparse, mb, row_ctas);
-    case 128: return attn_run<128>(cu, a, rows, sparse, mb, row_ctas);
-    case 160: return attn_run<160>(cu, a, rows, sparse, mb, row_ctas);
-    case 192: return attn_run<192>(cu, a, rows, sparse, mb, row_ctas);
-    case 224: return attn_run<224>(cu, a, rows, sparse, mb, row_ctas);
-    default: return attn_run<256>(cu, a, rows, sparse, mb, row_ctas);
+    case 32: return attn_run<32>(cu, a, rows, sparse, mb, row_ctas, inv);
+    case 64: return attn_run<64>(cu, a, rows, sparse, mb, row_ctas, inv);
+    case 96: return attn_run<96>(cu, a, rows, sparse, mb, row_ctas, inv);
+    case 128: return attn_run<128>(cu, a, rows, sparse, mb, row_ctas, inv);
+    case 160: return attn_run<160>(cu, a, rows, sparse, mb, row_ctas, inv);
+    case 192: return attn_run<192>(cu, a, rows, sparse, mb, row_ctas, inv);
+    case 224: return attn_run<224>(cu, a, rows, sparse, mb, row_ctas, inv);
+    default: return attn_run<256>(cu, a, rows, sparse, mb, row_ctas, inv);
     }
 }

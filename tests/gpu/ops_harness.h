@@ -1,6 +1,7 @@
 /*
- * test_cuda_ops.c's harness (one translation unit with it, like
- * gpu_common.h: static functions only): seeded inputs, device buffers
+ * The op tests' harness (test_cuda_ops.c, test_cuda_rows.c; one
+ * translation unit with each, like gpu_common.h: static functions only,
+ * each program using some): seeded inputs, device buffers
  * tracked for release, outputs poisoned with NaN patterns and GUARD bytes
  * past their ends, the comparisons and the per-op summary, and the paged
  * step metadata the index and attention cases run on (the GPU's arrays in
@@ -23,6 +24,11 @@
 #include "decode/step.h"
 #include "gpu_common.h"
 #include "m3.h"
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#endif
 
 #define PAGE M3_PAGE_TOKENS
 #define POISON 0x7fc17fc1u /* NaN as two bf16s and as one f32; no valid block id or token */
@@ -377,7 +383,44 @@ static uint16_t *make_cache(const m3_step *st, int heads, int dim, float amp) {
     return c;
 }
 
-static void print_summary(double seconds) {
+/* ------------------------------------------------------------ linears */
+
+static uint8_t rand_e4m3(void) {
+    return (uint8_t)(rng_below(2) << 7 | (1 + rng_below(10)) << 3 | rng_below(8));
+}
+
+/* A host [N, K] linear, bf16 (values of amp) or MXFP8 (scales 2^-7..2^-5). */
+static m3_linear make_linear(int64_t N, int64_t K, bool fp8, float amp) {
+    int64_t ne[2] = {N, K}, nes[2] = {N, K / 32};
+    m3_linear l = {{0}, {0}, 0, 0};
+    if (!fp8) {
+        l.w = m3_tensor_make(M3_DT_BF16, 2, ne, rand_bf16(N * K, amp));
+        return l;
+    }
+    uint8_t *q = halloc((size_t)(N * K)), *s = halloc((size_t)(N * K / 32));
+    for (int64_t i = 0; i < N * K; i++)
+        q[i] = rand_e4m3();
+    for (int64_t i = 0; i < N * K / 32; i++)
+        s[i] = (uint8_t)(120 + rng_below(3));
+    l.w = m3_tensor_make(M3_DT_F8_E4M3, 2, ne, q);
+    l.scale = m3_tensor_make(M3_DT_U8, 2, nes, s);
+    return l;
+}
+
+static size_t tensor_bytes(const m3_tensor *t) {
+    return (size_t)m3_tensor_nelem(t) * m3_dtype_size(t->dtype);
+}
+
+/* The same linear with its bytes on the GPU. */
+static m3_linear linear_to_gpu(const m3_linear *h) {
+    m3_linear d = *h;
+    d.w.data = dev_from(h->w.data, tensor_bytes(&h->w));
+    if (h->scale.data)
+        d.scale.data = dev_from(h->scale.data, tensor_bytes(&h->scale));
+    return d;
+}
+
+static void print_summary(const char *program, double seconds) {
     printf("\n%-16s %6s %6s %12s %12s %12s\n", "op", "cases", "fails", "worst relL2",
            "worst maxabs", "mismatches");
     for (int i = 0; i < g_n_sum; i++) {
@@ -385,8 +428,12 @@ static void print_summary(double seconds) {
         printf("%-16s %6d %6d %12.3g %12.3g %12lld\n", s->op, s->cases, s->fails, s->worst_rel,
                s->worst_abs, (long long)s->mismatches);
     }
-    printf("\ntest_cuda_ops: %d of %d cases passed (%.1f s)%s\n", g_cases - g_fails, g_cases,
+    printf("\n%s: %d of %d cases passed (%.1f s)%s\n", program, g_cases - g_fails, g_cases,
            seconds, g_fails ? " -- FAILED" : "");
 }
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
 
 #endif /* M3_TESTS_GPU_OPS_HARNESS_H */
