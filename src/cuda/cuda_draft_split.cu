@@ -445,16 +445,16 @@ m3_status launch_split(m3_cuda *cu, const DraftArgs &a, int64_t most, int64_t sp
     if (z > 65535 || a.kv_heads > 65535)
         return m3_fail(M3_ERR_UNSUPPORTED, "draft attention: %d KV heads, %d requests of %lld "
                        "queries a KV head", a.kv_heads, a.requests, (long long)Q);
-    /* Two CTAs a multiprocessor from cu->draft_split_two_from groups: with
-     * eight requests they took 6-15% less than one a multiprocessor at
-     * 32K-128K (its 128-register code, twice the CTAs); with one request
-     * that code, one CTA a multiprocessor, took 10% longer at 32K, and its
-     * twice as many half-length splits 2.4% longer (docs/PERF.md,
-     * forty-seventh session) */
+    /* Two CTAs a multiprocessor from cu->draft_split_two_from group keys
+     * (groups times the table's keys: the work the splits share out). On an
+     * H100 the two-CTA build (128 registers, twice the CTAs) took 5-10% less
+     * at 8 requests over 32K-128K and 4 at 128K, 1% more at 4 requests over
+     * 32K and 4-6% more at 4-8 over 1K; with one request at 32K 2.4% more
+     * (docs/PERF.md, forty-seventh and forty-eighth sessions) */
     const int64_t groups = (int64_t)a.kv_heads * z;
     const int64_t two_from = cu->draft_split_two_from;
     if constexpr (kHasTwoCtas<D>) {
-        if (two_from > 0 && groups >= two_from)
+        if (two_from > 0 && groups * most >= two_from)
             return launch_split_as<D, 2>(cu, a, most, split_from, (int)passes, groups);
     }
     return launch_split_as<D, 1>(cu, a, most, split_from, (int)passes, groups);

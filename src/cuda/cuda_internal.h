@@ -53,9 +53,9 @@ typedef struct m3_cuda {
     size_t l2_bytes;
     int64_t draft_split_from; /* drafter context keys from which its attention splits them
                                * over CTAs (M3_DRAFT_SPLIT_FROM) */
-    int64_t draft_split_two_from; /* KV heads x requests x query passes from which those
-                                   * CTAs run two a multiprocessor (M3_DRAFT_SPLIT_TWO_FROM;
-                                   * 0: never) */
+    int64_t draft_split_two_from; /* KV heads x requests x query passes x the table's
+                                   * keys from which those CTAs run two a multiprocessor
+                                   * (M3_DRAFT_SPLIT_TWO_FROM; 0: never, 1: always) */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void *cublas_workspace;

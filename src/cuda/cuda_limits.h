@@ -27,9 +27,10 @@
 #define M3_CUDA_DRAFT_SPLIT_FROM 256  /* draft_attention: context keys from which they are
                                        * split over CTAs (M3_DRAFT_SPLIT_FROM; docs/PERF.md,
                                        * forty-sixth session) */
-#define M3_CUDA_DRAFT_SPLIT_TWO_FROM 4 /* draft_attention's split CTAs: groups (KV heads x
-                                        * requests x query passes) from which they run two
-                                        * a multiprocessor (M3_DRAFT_SPLIT_TWO_FROM;
-                                        * docs/PERF.md, forty-seventh session) */
+#define M3_CUDA_DRAFT_SPLIT_TWO_FROM 196608 /* draft_attention's split CTAs: groups (KV
+                                             * heads x requests x query passes) times the
+                                             * table's keys from which they run two a
+                                             * multiprocessor (M3_DRAFT_SPLIT_TWO_FROM;
+                                             * docs/PERF.md, forty-eighth session) */
 
 #endif
