@@ -135,6 +135,22 @@ __device__ __forceinline__ uint2 ldg8_pol(const void *p, uint64_t pol) {
                  : "l"(p), "l"(pol));
     return v;
 }
+/* The same, not kept in L1 (L1::no_allocate): weights a kernel streams
+ * once, so that L1 keeps the activations every tile re-reads */
+__device__ __forceinline__ uint4 ldg16_na_pol(const void *p, uint64_t pol) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(pol));
+    return v;
+}
+__device__ __forceinline__ uint2 ldg8_na_pol(const void *p, uint64_t pol) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(p), "l"(pol));
+    return v;
+}
 
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");

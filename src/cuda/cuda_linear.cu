@@ -37,8 +37,8 @@ struct lmma_set {
  * tree, writes out and sets the count back to zero (so the next launch,
  * or a graph's replay, finds it zero). Else the CTA's warps are the
  * tile's chunks, combined in shared memory. */
-template <int NT, bool FP8, int U, bool SPLIT, bool OUT_F32>
-__global__ void __launch_bounds__(32 * LMMA_MAX_NC, LMMA_MIN_CTAS(NT, U))
+template <int NT, bool FP8, int U, bool SPLIT, bool OUT_F32, bool WIDE>
+__global__ void __launch_bounds__(32 * LMMA_MAX_NC, WIDE ? 2 : 1)
     linear_mma_kernel(const __grid_constant__ lmma_set set, const uint16_t *__restrict__ x,
                       int rows, int K, int n_chunks, float *__restrict__ part_g,
                       int *__restrict__ count) {
@@ -171,15 +171,15 @@ static m3_status launch_mma_out(m3_cuda *cu, const lmma_set &set, const uint16_t
                                  (void **)&part));
         M3_TRY(m3_cuda_workspace_zeroed(cu, M3_CUDA_WS_LINEAR_COUNT, (size_t)tiles * 4,
                                         (void **)&count));
-        linear_mma_kernel<NT, FP8, D, true, OUT_F32>
+        linear_mma_kernel<NT, FP8, D, true, OUT_F32, false>
             <<<dim3((unsigned)tiles, (unsigned)n_chunks), 32, 0, cu->stream>>>(
                 set, x, rows, K, n_chunks, part, count);
     } else if (n_chunks <= 2) {
-        linear_mma_kernel<NT, FP8, D, false, OUT_F32>
+        linear_mma_kernel<NT, FP8, D, false, OUT_F32, false>
             <<<(unsigned)tiles, 32 * n_chunks, 0, cu->stream>>>(set, x, rows, K, n_chunks,
                                                                 nullptr, nullptr);
     } else {
-        linear_mma_kernel<NT, FP8, 3, false, OUT_F32>
+        linear_mma_kernel<NT, FP8, LMMA_WIDE_U(NT), false, OUT_F32, true>
             <<<(unsigned)tiles, 32 * n_chunks, 0, cu->stream>>>(set, x, rows, K, n_chunks,
                                                                 nullptr, nullptr);
     }

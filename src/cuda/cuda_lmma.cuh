@@ -32,14 +32,16 @@
  * rows), the MMA does 16 x 8 x 16 of them in one instruction
  * (docs/PERF.md, forty-second session). */
 #define LMMA_MAX_NC 8 /* chunks = warps a CTA (M3_K_CHUNKS) */
-/* Pieces of 32 columns a stage (two stages in flight): 3 where CTAs of
- * 4-8 warps must fit two a multiprocessor (~106 registers at 1-8 rows;
- * 4 pieces spill there); LMMA_DEEP where a CTA is one or two warps and
- * each must keep more in flight itself (2 at 4 column tiles, 17-32 rows,
- * whose x fragments would not fit more). The order of the sums does not
- * depend on it. */
+/* Pieces of 32 columns a stage (two stages in flight). Wide CTAs (3-8
+ * warps) run two a multiprocessor, so 128 registers a thread: 3 pieces at
+ * 1-16 rows, 2 at 17-32 (LMMA_WIDE_U; a few bytes spill at 9-32 rows).
+ * One CTA of 8 warps a multiprocessor (142 registers at 9-16 rows) left
+ * the 200K-row lm_head at 2.2 TB/s: two take 16 rows 17% less time, 13%
+ * less at 32 (docs/PERF.md, forty-eighth session). LMMA_DEEP where a CTA is one or
+ * two warps and each must keep more in flight itself. The order of the
+ * sums does not depend on it. */
 #define LMMA_DEEP(NT) ((NT) == 1 ? 6 : (NT) == 2 ? 4 : 2)
-#define LMMA_MIN_CTAS(NT, U) ((U) == 3 && (NT) == 1 ? 2 : 1)
+#define LMMA_WIDE_U(NT) ((NT) == 4 ? 2 : 3)
 
 template <int NT, bool FP8, int U>
 struct lmma_stage {
@@ -67,7 +69,9 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
 }
 
 /* One warp's sums of weight rows [n0, n0 + 16) of W (N rows) over
- * columns [k0, k1) for the rows of x ([rows, K], rows <= 8 NT): acc[j][i]
+ * columns [k0, k1) for the rows of x ([rows, K], rows <= 8 NT). The
+ * weights, read once, bypass L1 (no_allocate), which then keeps x for the
+ * other tiles (a further −5% at the 16-row lm_head). acc[j][i]
  * is lane (g, q)'s output for weight row n0 + g (+ 8 for i >= 2) and x row
  * 8 j + 2 q + (i & 1). CG: x was written in this launch by other CTAs, so
  * its loads go through L2 (ld.global.cg), not the read-only cache, which
@@ -90,15 +94,15 @@ __device__ __forceinline__ void lmma_chunk(const gemv_weight &W, int64_t N, int6
             const bool in = k < k1;
             const uint4 z = make_uint4(0, 0, 0, 0);
             if constexpr (FP8) {
-                uint2 a = in && row_a ? ldg8_pol(wa_row + k, pol) : make_uint2(0, 0);
-                uint2 b = in && row_b ? ldg8_pol(wb_row + k, pol) : make_uint2(0, 0);
+                uint2 a = in && row_a ? ldg8_na_pol(wa_row + k, pol) : make_uint2(0, 0);
+                uint2 b = in && row_b ? ldg8_na_pol(wb_row + k, pol) : make_uint2(0, 0);
                 s.wa[u] = make_uint4(a.x, a.y, 0, 0);
                 s.wb[u] = make_uint4(b.x, b.y, 0, 0);
                 s.sa[u] = in && row_a ? W.s[(n0 + g) * W.s_row + k / 32] : 0;
                 s.sb[u] = in && row_b ? W.s[(n0 + g + 8) * W.s_row + k / 32] : 0;
             } else {
-                s.wa[u] = in && row_a ? ldg16_pol(wa_row + (size_t)k * 2, pol) : z;
-                s.wb[u] = in && row_b ? ldg16_pol(wb_row + (size_t)k * 2, pol) : z;
+                s.wa[u] = in && row_a ? ldg16_na_pol(wa_row + (size_t)k * 2, pol) : z;
+                s.wb[u] = in && row_b ? ldg16_na_pol(wb_row + (size_t)k * 2, pol) : z;
             }
 #pragma unroll
             for (int j = 0; j < NT; j++) {
