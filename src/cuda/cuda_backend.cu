@@ -439,8 +439,9 @@ static int64_t env_count(const char *name, int64_t least, int64_t fallback) {
 /* The rows up to which a bf16 linear stays on the MMA kernel, the
  * backend's exact_rows: M3_LINEAR_MMA_ROWS, 16, 32 or 64, else the
  * default (16: cuBLAS from 17 rows). 32 and 64 make a speculative cycle
- * of 3-8 requests one verify step again (spec/speculate.c), at the cost,
- * unmeasured so far, of a 32-row MMA launch against cuBLAS. */
+ * of 3-8 requests one verify step again (spec/speculate.c), at the cost
+ * of a 17-32-row MMA launch against cuBLAS: 1.4x at the lm_head on an
+ * H100 (docs/PERF.md, forty-eighth session). */
 static int linear_mma_rows(void) {
     int64_t x = env_count("M3_LINEAR_MMA_ROWS", 16, M3_CUDA_EXACT_ROWS);
     return x == 16 || x == 32 || x == 64 ? (int)x : M3_CUDA_EXACT_ROWS;

@@ -365,7 +365,7 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
     bool out_f32 = out_dtype == M3_DT_F32;
     int64_t N = w->w.ne[0], K = w->w.ne[1];
     /* Decode rows (<= be->exact_rows: 16, or 32 / 64 from
-     * M3_LINEAR_MMA_ROWS, not yet measured on a GPU) stay on our kernel: each
+     * M3_LINEAR_MMA_ROWS) stay on our kernel: each
      * row's sums then never depend on how many rows share the step (cuBLAS
      * picks its kernel, and so a sum's order, by the shape), so a 16-row
      * step gives each row the bits of a 1-row step. */
