@@ -37,10 +37,12 @@
  * 1-16 rows, 2 at 17-32 (LMMA_WIDE_U; a few bytes spill at 9-32 rows).
  * One CTA of 8 warps a multiprocessor (142 registers at 9-16 rows) left
  * the 200K-row lm_head at 2.2 TB/s: two take 16 rows 17% less time, 13%
- * less at 32 (docs/PERF.md, forty-eighth session). LMMA_DEEP where a CTA is one or
- * two warps and each must keep more in flight itself. The order of the
- * sums does not depend on it. */
-#define LMMA_DEEP(NT) ((NT) == 1 ? 6 : (NT) == 2 ? 4 : 2)
+ * less at 32 (docs/PERF.md, forty-eighth session). LMMA_DEEP where a CTA
+ * is one or two warps and each must keep more in flight itself: 6 pieces
+ * at 1-16 rows, 4 at 17-32 (238-250 registers, no spills; with 4 and 2 a
+ * narrow weight's 9-32 rows took 5-16% longer). The order of the sums
+ * does not depend on it. */
+#define LMMA_DEEP(NT) ((NT) == 4 ? 4 : 6)
 #define LMMA_WIDE_U(NT) ((NT) == 4 ? 2 : 3)
 
 template <int NT, bool FP8, int U>
