@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "backend/backend.h"
 #include "cache/cache.h"
@@ -383,6 +384,31 @@ static uint16_t *make_cache(const m3_step *st, int heads, int dim, float amp) {
     return c;
 }
 
+/* ------------------------------------------------------------ attention */
+
+/* Per (row, KV group) a random non-empty set of at most topk visible
+ * blocks, ascending, -1 padded; padded rows all -1. */
+static int32_t *make_selection(const m3_step *st, int kv_heads, int topk) {
+    int32_t *sel = halloc((size_t)st->rows * kv_heads * topk * 4);
+    for (int t = 0; t < st->rows; t++)
+        for (int g = 0; g < kv_heads; g++) {
+            int32_t *o = sel + ((int64_t)t * kv_heads + g) * topk;
+            int nb = (int)((st->host.positions[t] + PAGE) / PAGE), n = 0;
+            int want = 1 + rng_below(nb < topk ? nb : topk);
+            for (int b = 0; b < nb && st->host.slots[t] >= 0; b++) /* want of nb */
+                if (rng_below(nb - b) < want - n)
+                    o[n++] = b;
+            while (n < topk)
+                o[n++] = -1;
+        }
+    return sel;
+}
+
+typedef struct attn_shape {
+    int q_heads, kv_heads, dim, topk; /* topk 0: dense */
+    int max_blocks;
+} attn_shape;
+
 /* ------------------------------------------------------------ linears */
 
 static uint8_t rand_e4m3(void) {
@@ -420,7 +446,39 @@ static m3_linear linear_to_gpu(const m3_linear *h) {
     return d;
 }
 
-static void print_summary(const char *program, double seconds) {
+/* ------------------------------------------------------------ a program's run */
+
+static struct timespec g_t0;
+
+/* Both backends (the GPU's device 0; the CPU, the reference) and the seed
+ * (M3_TEST_SEED, else `seed`). Returns -1 when both are up, else the
+ * program's exit status: GPU_TEST_SKIP without a usable CUDA device (the
+ * message "SKIP: no CUDA device: <reason>"), 1 on another error. */
+static int harness_open(const char *program, uint64_t seed) {
+    m3_status st = m3_cuda_backend_create(0, &g_gpu);
+    if (st && gpu_no_device(st)) {
+        printf("SKIP: no CUDA device: %s\n", m3_last_error());
+        return GPU_TEST_SKIP;
+    }
+    if (st) {
+        fprintf(stderr, "%s: FAILED: creating the CUDA backend: %s: %s\n", program,
+                m3_status_name(st), m3_last_error());
+        return 1;
+    }
+    if (m3_cpu_backend_create(0, &g_cpu))
+        die("creating the CPU backend");
+    g_rng = gpu_test_seed(seed);
+    printf("%s: seed %llu (set M3_TEST_SEED to vary)\n", program, (unsigned long long)g_rng);
+    clock_gettime(CLOCK_MONOTONIC, &g_t0);
+    return -1;
+}
+
+/* The per-op summary and the verdict line; both backends destroyed.
+ * Returns the exit status: 1 if any case failed. */
+static int harness_close(const char *program) {
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double seconds = (double)(t1.tv_sec - g_t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - g_t0.tv_nsec);
     printf("\n%-16s %6s %6s %12s %12s %12s\n", "op", "cases", "fails", "worst relL2",
            "worst maxabs", "mismatches");
     for (int i = 0; i < g_n_sum; i++) {
@@ -430,6 +488,9 @@ static void print_summary(const char *program, double seconds) {
     }
     printf("\n%s: %d of %d cases passed (%.1f s)%s\n", program, g_cases - g_fails, g_cases,
            seconds, g_fails ? " -- FAILED" : "");
+    g_gpu->ops->destroy(g_gpu);
+    g_cpu->ops->destroy(g_cpu);
+    return g_fails ? 1 : 0;
 }
 
 #if defined(__GNUC__)

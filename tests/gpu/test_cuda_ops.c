@@ -52,7 +52,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend/backend.h"
 #include "cache/cache.h"
@@ -557,29 +556,6 @@ static void test_select_blocks(void) {
 
 /* ------------------------------------------------------------ attention */
 
-/* Per (row, KV group) a random non-empty set of at most topk visible
- * blocks, ascending, -1 padded; padded rows all -1. */
-static int32_t *make_selection(const m3_step *st, int kv_heads, int topk) {
-    int32_t *sel = halloc((size_t)st->rows * kv_heads * topk * 4);
-    for (int t = 0; t < st->rows; t++)
-        for (int g = 0; g < kv_heads; g++) {
-            int32_t *o = sel + ((int64_t)t * kv_heads + g) * topk;
-            int nb = (int)((st->host.positions[t] + PAGE) / PAGE), n = 0;
-            int want = 1 + rng_below(nb < topk ? nb : topk);
-            for (int b = 0; b < nb && st->host.slots[t] >= 0; b++) /* want of nb */
-                if (rng_below(nb - b) < want - n)
-                    o[n++] = b;
-            while (n < topk)
-                o[n++] = -1;
-        }
-    return sel;
-}
-
-typedef struct attn_shape {
-    int q_heads, kv_heads, dim, topk; /* topk 0: dense */
-    int max_blocks;
-} attn_shape;
-
 static void attn_case(const char *what, const attn_shape *a, int n_reqs, const int *lens,
                       const int *ql, int pad) {
     pstep s;
@@ -942,23 +918,10 @@ static void test_sample(void) {
 /* ------------------------------------------------------------ main */
 
 int main(void) {
-    m3_status st = m3_cuda_backend_create(0, &g_gpu);
-    if (st && gpu_no_device(st)) {
-        printf("SKIP: no CUDA device: %s\n", m3_last_error());
-        return GPU_TEST_SKIP;
-    }
-    if (st) {
-        fprintf(stderr, "test_cuda_ops: FAILED: creating the CUDA backend: %s: %s\n",
-                m3_status_name(st), m3_last_error());
-        return 1;
-    }
-    if (m3_cpu_backend_create(0, &g_cpu))
-        die("creating the CPU backend");
-    g_rng = gpu_test_seed(0x9e5eed01ull);
-    printf("test_cuda_ops: seed %llu (set M3_TEST_SEED to vary); bf16 tol %.0e, f32 tol %.0e\n",
-           (unsigned long long)g_rng, TOL_BF16, TOL_F32);
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int rc = harness_open("test_cuda_ops", 0x9e5eed01ull);
+    if (rc >= 0)
+        return rc;
+    printf("test_cuda_ops: bf16 tol %.0e, f32 tol %.0e\n", TOL_BF16, TOL_F32);
     test_embed_gather();
     test_add_rmsnorm();
     test_linear();
@@ -971,10 +934,5 @@ int main(void) {
     test_swiglu();
     test_moe();
     test_sample();
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    print_summary("test_cuda_ops",
-                  (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
-    g_gpu->ops->destroy(g_gpu);
-    g_cpu->ops->destroy(g_cpu);
-    return g_fails ? 1 : 0;
+    return harness_close("test_cuda_ops");
 }

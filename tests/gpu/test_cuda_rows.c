@@ -25,7 +25,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend/backend.h"
 #include "core/bf16.h"
@@ -123,29 +122,6 @@ static void test_linear_rows(void) {
 
 /* ------------------------------------------------------------ attention */
 
-typedef struct attn_shape {
-    int q_heads, kv_heads, dim, topk; /* topk 0: dense */
-    int max_blocks;
-} attn_shape;
-
-/* Per (row, KV group) a random non-empty set of at most topk visible
- * blocks, ascending, -1 padded. */
-static int32_t *make_selection(const m3_step *st, int kv_heads, int topk) {
-    int32_t *sel = halloc((size_t)st->rows * kv_heads * topk * 4);
-    for (int t = 0; t < st->rows; t++)
-        for (int g = 0; g < kv_heads; g++) {
-            int32_t *o = sel + ((int64_t)t * kv_heads + g) * topk;
-            int nb = (int)((st->host.positions[t] + PAGE) / PAGE), n = 0;
-            int want = 1 + rng_below(nb < topk ? nb : topk);
-            for (int b = 0; b < nb; b++) /* want of nb */
-                if (rng_below(nb - b) < want - n)
-                    o[n++] = b;
-            while (n < topk)
-                o[n++] = -1;
-        }
-    return sel;
-}
-
 /* R / ql rows of requests of ql rows each (1: decode; 8: a verify step of
  * a 7-token draft block), contexts of up to ~6K tokens; the first c
  * requests' rows run alone must give the reference's bits. */
@@ -233,29 +209,11 @@ static void test_attention_rows(void) {
 /* ------------------------------------------------------------ main */
 
 int main(void) {
-    m3_status st = m3_cuda_backend_create(0, &g_gpu);
-    if (st && gpu_no_device(st)) {
-        printf("SKIP: no CUDA device: %s\n", m3_last_error());
-        return GPU_TEST_SKIP;
-    }
-    if (st) {
-        fprintf(stderr, "test_cuda_rows: FAILED: creating the CUDA backend: %s: %s\n",
-                m3_status_name(st), m3_last_error());
-        return 1;
-    }
-    if (m3_cpu_backend_create(0, &g_cpu))
-        die("creating the CPU backend");
-    g_rng = gpu_test_seed(0x5eed0b75ull);
-    printf("test_cuda_rows: seed %llu (set M3_TEST_SEED to vary); exact rows %d\n",
-           (unsigned long long)g_rng, g_gpu->exact_rows);
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int rc = harness_open("test_cuda_rows", 0x5eed0b75ull);
+    if (rc >= 0)
+        return rc;
+    printf("test_cuda_rows: exact rows %d\n", g_gpu->exact_rows);
     test_linear_rows();
     test_attention_rows();
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    print_summary("test_cuda_rows",
-                  (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
-    g_gpu->ops->destroy(g_gpu);
-    g_cpu->ops->destroy(g_cpu);
-    return g_fails ? 1 : 0;
+    return harness_close("test_cuda_rows");
 }
