@@ -465,8 +465,9 @@ extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     cu->sm_count = prop.multiProcessorCount;
     cu->l2_bytes = (size_t)prop.l2CacheSize;
     /* the drafter attention's context keys from which the split kernels
-     * run, and the groups (KV heads x requests x query passes) from which
-     * those run their two-CTAs-a-multiprocessor build (0: never) */
+     * run, and the group keys (KV heads x requests x query passes x the
+     * table's keys) from which those run their two-CTAs-a-multiprocessor
+     * build (0: never, 1: always) */
     cu->draft_split_from = env_count("M3_DRAFT_SPLIT_FROM", 1, M3_CUDA_DRAFT_SPLIT_FROM);
     cu->draft_split_two_from =
         env_count("M3_DRAFT_SPLIT_TWO_FROM", 0, M3_CUDA_DRAFT_SPLIT_TWO_FROM);
