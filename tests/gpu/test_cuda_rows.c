@@ -105,13 +105,16 @@ static void linear_rows_invariance(const m3_linear *hw, const m3_linear *dw) {
 
 
 static void test_linear_rows(void) {
-    /* the shapes of test_cuda_ops.c's vector-path linears */
+    /* the shapes of test_cuda_ops.c's vector-path linears, and 8,456 rows:
+     * 529 wide CTAs, more than two waves of two a multiprocessor on an H100
+     * or H200, the last tile half past the weight */
     static const struct {
         int64_t N, K;
         bool fp8;
     } shapes[] = {{520, 1024, false}, {264, 6144, false}, {4104, 1024, false},
                   {4104, 768, false}, {4104, 1024, true}, {520, 1024, true},
-                  {264, 6144, true},  {77, 96, true}};
+                  {264, 6144, true},  {77, 96, true},     {8456, 1024, false},
+                  {8456, 1024, true}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
         m3_linear hw = make_linear(shapes[i].N, shapes[i].K, shapes[i].fp8, 1.0f);
         m3_linear dw = linear_to_gpu(&hw);
