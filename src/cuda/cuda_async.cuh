@@ -136,17 +136,32 @@ __device__ __forceinline__ uint2 ldg8_pol(const void *p, uint64_t pol) {
     return v;
 }
 /* The same, not kept in L1 (L1::no_allocate): weights a kernel streams
- * once, so that L1 keeps the activations every tile re-reads */
+ * once, so that L1 keeps the activations every tile re-reads.
+ * M3_LDG_NA_PF_BYTES (0 by default: no qualifier) is an experiment's build
+ * switch, an L2 prefetch size for these loads (128 or 256: a miss fetches
+ * the next pieces of the row too); prepared, not yet run (docs/PERF.md,
+ * forty-ninth session). */
+#if !defined(M3_LDG_NA_PF_BYTES) || M3_LDG_NA_PF_BYTES == 0
+#define M3_LDG_NA_PF ""
+#elif M3_LDG_NA_PF_BYTES == 128
+#define M3_LDG_NA_PF ".L2::128B"
+#elif M3_LDG_NA_PF_BYTES == 256
+#define M3_LDG_NA_PF ".L2::256B"
+#else
+#error "M3_LDG_NA_PF_BYTES: 0, 128 or 256"
+#endif
 __device__ __forceinline__ uint4 ldg16_na_pol(const void *p, uint64_t pol) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint" M3_LDG_NA_PF
+                 ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p), "l"(pol));
     return v;
 }
 __device__ __forceinline__ uint2 ldg8_na_pol(const void *p, uint64_t pol) {
     uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint" M3_LDG_NA_PF
+                 ".v2.u32 {%0, %1}, [%2], %3;"
                  : "=r"(v.x), "=r"(v.y)
                  : "l"(p), "l"(pol));
     return v;
