@@ -9,6 +9,8 @@
 #ifndef M3_CUDA_CUDA_LMMA_CUH
 #define M3_CUDA_CUDA_LMMA_CUH
 
+#include <type_traits>
+
 #include "cuda/cuda_gemv.cuh"
 #include "cuda/cuda_ksum.cuh"
 
@@ -43,7 +45,27 @@
  * narrow weight's 9-32 rows took 5-16% longer). The order of the sums
  * does not depend on it. */
 #define LMMA_DEEP(NT) ((NT) == 4 ? 4 : 6)
+/* M3_LMMA_X_LATE (a build switch, off; prepared, not yet run: docs/PERF.md,
+ * forty-ninth session): lmma_chunk's stages hold only the weights, and x's
+ * fragments are loaded one piece ahead of their products (lmma_chunk_xlate:
+ * two pieces' worth of x in registers instead of two stages'), so the wide
+ * builds drop their spills (ptxas: 96-128 registers, none at 1-16 rows)
+ * and can hold more pieces a stage (M3_LMMA_WIDE_U_XL: the pieces at 1-8,
+ * 9-16 and 17-32 rows as hex digits 0xABC). The products run in the same
+ * order: the same bits. */
+#ifndef M3_LMMA_X_LATE
+#define M3_LMMA_X_LATE 0
+#endif
+#if M3_LMMA_X_LATE
+#ifndef M3_LMMA_WIDE_U_XL
+#define M3_LMMA_WIDE_U_XL 0x433
+#endif
+#define LMMA_WIDE_U(NT) \
+    ((NT) == 1 ? (M3_LMMA_WIDE_U_XL >> 8) & 15 : (NT) == 2 ? (M3_LMMA_WIDE_U_XL >> 4) & 15 \
+                                                           : M3_LMMA_WIDE_U_XL & 15)
+#else
 #define LMMA_WIDE_U(NT) ((NT) == 4 ? 2 : 3)
+#endif
 
 template <int NT, bool FP8, int U>
 struct lmma_stage {
@@ -70,6 +92,99 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+template <int U, bool FP8>
+struct lmma_wstage {
+    uint4 wa[U], wb[U];                        /* rows g, g + 8 */
+    uint32_t sa[FP8 ? U : 1], sb[FP8 ? U : 1]; /* e8m0 scales (MXFP8) */
+};
+
+template <int NT, bool FP8, int U, bool CG>
+__device__ __forceinline__ void lmma_chunk_xlate(const gemv_weight &W, int64_t N, int64_t n0,
+                                                 const uint16_t *__restrict__ x, int rows, int K,
+                                                 int k0, int k1, float (&acc)[NT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int pieces = (k1 - k0 + 31) / 32, stages = (pieces + U - 1) / U;
+    const bool row_a = n0 + g < N, row_b = n0 + g + 8 < N;
+    const uint8_t *wa_row = W.w + (row_a ? n0 + g : 0) * W.w_row;
+    const uint8_t *wb_row = W.w + (row_b ? n0 + g + 8 : 0) * W.w_row;
+    const uint64_t pol = l2_evict_first();
+    const uint4 z = make_uint4(0, 0, 0, 0);
+
+    auto load_w = [&](lmma_wstage<U, FP8> &s, int stage) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int k = k0 + (stage * U + u) * 32 + q * 8;
+            const bool in = k < k1;
+            if constexpr (FP8) {
+                uint2 a = in && row_a ? ldg8_na_pol(wa_row + k, pol) : make_uint2(0, 0);
+                uint2 b = in && row_b ? ldg8_na_pol(wb_row + k, pol) : make_uint2(0, 0);
+                s.wa[u] = make_uint4(a.x, a.y, 0, 0);
+                s.wb[u] = make_uint4(b.x, b.y, 0, 0);
+                s.sa[u] = in && row_a ? W.s[(n0 + g) * W.s_row + k / 32] : 0;
+                s.sb[u] = in && row_b ? W.s[(n0 + g + 8) * W.s_row + k / 32] : 0;
+            } else {
+                s.wa[u] = in && row_a ? ldg16_na_pol(wa_row + (size_t)k * 2, pol) : z;
+                s.wb[u] = in && row_b ? ldg16_na_pol(wb_row + (size_t)k * 2, pol) : z;
+            }
+        }
+    };
+    uint4 xv[2][NT]; /* x of pieces p (slot p & 1) and p + 1 */
+    auto load_x = [&](uint4 (&xs)[NT], int piece) {
+        const int k = k0 + piece * 32 + q * 8;
+        const bool in = piece < pieces && k < k1;
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const int t = j * 8 + g;
+            const uint4 *xp = reinterpret_cast<const uint4 *>(x + (int64_t)t * K + k);
+            xs[j] = in && t < rows ? (CG ? __ldcg(xp) : __ldg(xp)) : z;
+        }
+    };
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            acc[j][i] = 0.0f;
+    /* ODD: the stage's index is odd, so piece stage U + u's slot, (U + u)
+     * & 1 or u & 1, is known when compiling (stages run in pairs) */
+    auto compute = [&](const lmma_wstage<U, FP8> &s, int stage, auto odd) {
+        constexpr int O = decltype(odd)::value ? U : 0;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int piece = stage * U + u;
+            if (piece >= pieces) /* warp-uniform: past the chunk */
+                break;
+            load_x(xv[(O + u + 1) & 1], piece + 1);
+            uint4 a = s.wa[u], b = s.wb[u];
+            if constexpr (FP8) {
+                a = lmma_widen(a, s.sa[u]);
+                b = lmma_widen(b, s.sb[u]);
+            }
+            const uint32_t lo[4] = {a.x, b.x, a.y, b.y}, hi[4] = {a.z, b.z, a.w, b.w};
+            const uint4(&xc)[NT] = xv[(O + u) & 1];
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                mma_bf16(acc[j], lo, xc[j].x, xc[j].y);
+                mma_bf16(acc[j], hi, xc[j].z, xc[j].w);
+            }
+        }
+    };
+    lmma_wstage<U, FP8> s0, s1;
+    if (stages > 0) {
+        load_w(s0, 0);
+        load_x(xv[0], 0);
+    }
+    for (int st = 0; st < stages; st += 2) {
+        if (st + 1 < stages)
+            load_w(s1, st + 1);
+        compute(s0, st, std::false_type{});
+        if (st + 1 >= stages)
+            break;
+        if (st + 2 < stages)
+            load_w(s0, st + 2);
+        compute(s1, st + 1, std::true_type{});
+    }
+}
+
 /* One warp's sums of weight rows [n0, n0 + 16) of W (N rows) over
  * columns [k0, k1) for the rows of x ([rows, K], rows <= 8 NT). The
  * weights, read once, bypass L1 (no_allocate), which then keeps x for the
@@ -79,9 +194,9 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
  * its loads go through L2 (ld.global.cg), not the read-only cache, which
  * may hold an earlier launch's values; the sums do not depend on it. */
 template <int NT, bool FP8, int U, bool CG>
-__device__ __forceinline__ void lmma_chunk(const gemv_weight &W, int64_t N, int64_t n0,
-                                           const uint16_t *__restrict__ x, int rows, int K,
-                                           int k0, int k1, float (&acc)[NT][4]) {
+__device__ __forceinline__ void lmma_chunk_early(const gemv_weight &W, int64_t N, int64_t n0,
+                                                 const uint16_t *__restrict__ x, int rows, int K,
+                                                 int k0, int k1, float (&acc)[NT][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int pieces = (k1 - k0 + 31) / 32, stages = (pieces + U - 1) / U;
     const bool row_a = n0 + g < N, row_b = n0 + g + 8 < N;
@@ -153,6 +268,17 @@ __device__ __forceinline__ void lmma_chunk(const gemv_weight &W, int64_t N, int6
         compute(s1, st + 1);
     }
 
+}
+
+template <int NT, bool FP8, int U, bool CG>
+__device__ __forceinline__ void lmma_chunk(const gemv_weight &W, int64_t N, int64_t n0,
+                                           const uint16_t *__restrict__ x, int rows, int K,
+                                           int k0, int k1, float (&acc)[NT][4]) {
+#if M3_LMMA_X_LATE
+    lmma_chunk_xlate<NT, FP8, U, CG>(W, N, n0, x, rows, K, k0, k1, acc);
+#else
+    lmma_chunk_early<NT, FP8, U, CG>(W, N, n0, x, rows, K, k0, k1, acc);
+#endif
 }
 
 /* A CTA's chunk sums meeting in shared memory (part: [warps][NT * 4][32],
