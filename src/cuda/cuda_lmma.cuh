@@ -92,12 +92,36 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+/* Lane (g, q)'s 8 columns from k of weight rows na = n0 + g and na + 8
+ * (zeros where the row is past N or k past the chunk), with their MXFP8
+ * scales; sa / sb are left alone for bf16 weights. */
+template <bool FP8>
+__device__ __forceinline__ void lmma_load_w(const gemv_weight &W, const uint8_t *wa_row,
+                                            const uint8_t *wb_row, bool row_a, bool row_b,
+                                            int64_t na, int k, bool in, uint64_t pol, uint4 &wa,
+                                            uint4 &wb, uint32_t &sa, uint32_t &sb) {
+    if constexpr (FP8) {
+        uint2 a = in && row_a ? ldg8_na_pol(wa_row + k, pol) : make_uint2(0, 0);
+        uint2 b = in && row_b ? ldg8_na_pol(wb_row + k, pol) : make_uint2(0, 0);
+        wa = make_uint4(a.x, a.y, 0, 0);
+        wb = make_uint4(b.x, b.y, 0, 0);
+        sa = in && row_a ? W.s[na * W.s_row + k / 32] : 0;
+        sb = in && row_b ? W.s[(na + 8) * W.s_row + k / 32] : 0;
+    } else {
+        const uint4 z = make_uint4(0, 0, 0, 0);
+        wa = in && row_a ? ldg16_na_pol(wa_row + (size_t)k * 2, pol) : z;
+        wb = in && row_b ? ldg16_na_pol(wb_row + (size_t)k * 2, pol) : z;
+    }
+}
+
 template <int U, bool FP8>
 struct lmma_wstage {
     uint4 wa[U], wb[U];                        /* rows g, g + 8 */
     uint32_t sa[FP8 ? U : 1], sb[FP8 ? U : 1]; /* e8m0 scales (MXFP8) */
 };
 
+/* lmma_chunk's sums, the same bits, with x loaded one piece ahead of its
+ * products and only the weights staged (M3_LMMA_X_LATE above). */
 template <int NT, bool FP8, int U, bool CG>
 __device__ __forceinline__ void lmma_chunk_xlate(const gemv_weight &W, int64_t N, int64_t n0,
                                                  const uint16_t *__restrict__ x, int rows, int K,
@@ -115,17 +139,8 @@ __device__ __forceinline__ void lmma_chunk_xlate(const gemv_weight &W, int64_t N
         for (int u = 0; u < U; u++) {
             const int k = k0 + (stage * U + u) * 32 + q * 8;
             const bool in = k < k1;
-            if constexpr (FP8) {
-                uint2 a = in && row_a ? ldg8_na_pol(wa_row + k, pol) : make_uint2(0, 0);
-                uint2 b = in && row_b ? ldg8_na_pol(wb_row + k, pol) : make_uint2(0, 0);
-                s.wa[u] = make_uint4(a.x, a.y, 0, 0);
-                s.wb[u] = make_uint4(b.x, b.y, 0, 0);
-                s.sa[u] = in && row_a ? W.s[(n0 + g) * W.s_row + k / 32] : 0;
-                s.sb[u] = in && row_b ? W.s[(n0 + g + 8) * W.s_row + k / 32] : 0;
-            } else {
-                s.wa[u] = in && row_a ? ldg16_na_pol(wa_row + (size_t)k * 2, pol) : z;
-                s.wb[u] = in && row_b ? ldg16_na_pol(wb_row + (size_t)k * 2, pol) : z;
-            }
+            lmma_load_w<FP8>(W, wa_row, wb_row, row_a, row_b, n0 + g, k, in, pol, s.wa[u], s.wb[u],
+                             s.sa[FP8 ? u : 0], s.sb[FP8 ? u : 0]);
         }
     };
     uint4 xv[2][NT]; /* x of pieces p (slot p & 1) and p + 1 */
@@ -210,17 +225,8 @@ __device__ __forceinline__ void lmma_chunk_early(const gemv_weight &W, int64_t N
             const int k = k0 + (stage * U + u) * 32 + q * 8;
             const bool in = k < k1;
             const uint4 z = make_uint4(0, 0, 0, 0);
-            if constexpr (FP8) {
-                uint2 a = in && row_a ? ldg8_na_pol(wa_row + k, pol) : make_uint2(0, 0);
-                uint2 b = in && row_b ? ldg8_na_pol(wb_row + k, pol) : make_uint2(0, 0);
-                s.wa[u] = make_uint4(a.x, a.y, 0, 0);
-                s.wb[u] = make_uint4(b.x, b.y, 0, 0);
-                s.sa[u] = in && row_a ? W.s[(n0 + g) * W.s_row + k / 32] : 0;
-                s.sb[u] = in && row_b ? W.s[(n0 + g + 8) * W.s_row + k / 32] : 0;
-            } else {
-                s.wa[u] = in && row_a ? ldg16_na_pol(wa_row + (size_t)k * 2, pol) : z;
-                s.wb[u] = in && row_b ? ldg16_na_pol(wb_row + (size_t)k * 2, pol) : z;
-            }
+            lmma_load_w<FP8>(W, wa_row, wb_row, row_a, row_b, n0 + g, k, in, pol, s.wa[u], s.wb[u],
+                             s.sa[FP8 ? u : 0], s.sb[FP8 ? u : 0]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const int t = j * 8 + g;
