@@ -8,7 +8,8 @@
   stand-in (it records the CUDAFLAGS it was given and writes a fake m3 and a
   ctest folder): `extra NAME REV CUDAFLAGS` reaches that build only, the
   table labels it with its flags, and `run --test-all` runs every build's
-  tests where `--test` runs the working tree's only; after `prebuild`,
+  tests where `--test` runs the working tree's only; `--linear` adds
+  every build's `bench linear` at M3_LINEAR_MMA_ROWS=32; after `prebuild`,
   `run` times the kept binaries and builds only a tree changed since.
 
 - tests/gpu/cuda_configs.py with `--device cpu` (the CPU engine on both
@@ -87,6 +88,7 @@ mkdir -p "$OUT" "$B"
 echo "CUDAFLAGS=[$CUDAFLAGS]" >"$OUT/flags.txt"
 cat >"$B/m3" <<'EOM'
 #!/bin/bash
+if [ "$2" = linear ]; then echo "linear $3 $4 MMA_ROWS=$M3_LINEAR_MMA_ROWS"; exit 0; fi
 echo '{"points":[{"path":"mono","rows":1,"context":4096,"median_us":100.0}]}'
 EOM
 chmod +x "$B/m3"
@@ -137,11 +139,18 @@ def check_gpu_ab(work):
     for opt, tested in (("--test-all", ("base", "new", "sw")), ("--test", ("new",))):
         out_dir = os.path.join(work, "out" + opt)
         shutil.rmtree(out_dir, ignore_errors=True)
-        log = sh(["scripts/gpu-ab", "run", "--rows", "1", "--rounds", "1", opt], repo,
+        linear = ["--linear", "1,32"] if opt == "--test" else []
+        log = sh(["scripts/gpu-ab", "run", "--rows", "1", "--rounds", "1", opt] + linear, repo,
                  dict(env, OUT=out_dir))
         table = open(os.path.join(out_dir, "ab.md")).read()
         if "| sw 1 (HEAD -DM3_SWITCH=8) | 100.0 |" not in table:
             fail("gpu-ab: the switch build's row:\n" + table)
+        if linear:  # every build's `bench linear`, 17-32 rows on the MMA kernel
+            lin = open(os.path.join(out_dir, "ab_linear.md")).read()
+            want = "".join("### %s, round 1\nlinear --rows 1,32 MMA_ROWS=32\n" % t
+                           for t in ("base", "new", "sw"))
+            if sorted(lin.split("### ")) != sorted(want.split("### ")):
+                fail("gpu-ab --linear wrote:\n%s\nexpected:\n%s" % (lin, want))
         ran = sorted(l.split()[5] for l in log.splitlines() if l.startswith("gpu-ab: GPU tests of"))
         if ran != sorted(tested):
             fail("gpu-ab %s ran the tests of %s, expected %s\n%s" % (opt, ran, tested, log))
