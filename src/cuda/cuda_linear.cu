@@ -5,11 +5,11 @@
  * 8-16 rows cost about what one row does, and a row's sums are the same
  * bits at every row count and on every TP world. Larger row counts
  * (prefill) use cuBLAS for bf16 weights, and the MMA kernel 16 rows at a
- * time for MXFP8 weights. Shapes
- * the vector kernels cannot take (K not a multiple of 8, unaligned rows)
- * fall back to a plain one-thread-per-output kernel, so every config the
- * SPEC allows runs. The router's fp32 weights have their own small kernel
- * (cuda_gemv.cuh's FFMA core still serves the MoE experts).
+ * time for MXFP8 weights. Shapes the vector kernels cannot take (K not a
+ * multiple of 8, unaligned rows) fall back to a plain one-thread-per-output
+ * kernel, so every config the SPEC allows runs. The router's fp32 weights
+ * have their own small kernel (cuda_gemv.cuh's FFMA core still serves the
+ * MoE experts).
  */
 #include <stdio.h>
 
