@@ -23,6 +23,20 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
+/* M3_W_PF_BYTES (a build switch, 0 by default: no qualifier; an
+ * experiment, docs/PERF.md, fiftieth session): an L2 prefetch size (128 or
+ * 256) for the weight loads below and the weight ring's copies
+ * (cp_async16_pol), as ldg16_na_pol's PF256 for the MMA linear. */
+#if !defined(M3_W_PF_BYTES) || M3_W_PF_BYTES == 0
+#define M3_W_PF ""
+#elif M3_W_PF_BYTES == 128
+#define M3_W_PF ".L2::128B"
+#elif M3_W_PF_BYTES == 256
+#define M3_W_PF ".L2::256B"
+#else
+#error "M3_W_PF_BYTES: 0, 128 or 256"
+#endif
+
 /* 16 bytes global -> shared, bypassing L1; with fill false the 16 bytes are
  * zeroed and nothing is read. */
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool fill) {
@@ -53,7 +67,8 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
 __device__ __forceinline__ void cp_async16_pol(void *dst, const void *src, bool fill,
                                                uint64_t pol) {
     if (fill)
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint" M3_W_PF
+                     " [%0], [%1], 16, %2;\n" ::"r"(
                          smem_u32(dst)),
                      "l"(src), "l"(pol)
                      : "memory");
@@ -118,7 +133,7 @@ __device__ __forceinline__ void cp_async_kv_ef(unsigned char *stage, int row_byt
 /* 16 / 8 read-only bytes with an L2 cache policy */
 __device__ __forceinline__ uint4 ldg16_pol(const void *p, uint64_t pol) {
     uint4 v;
-    asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+    asm volatile("ld.global.nc.L2::cache_hint" M3_W_PF ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p), "l"(pol));
     return v;
@@ -130,40 +145,46 @@ __device__ __forceinline__ float4 ldg16f_pol(const float *p, uint64_t pol) {
 }
 __device__ __forceinline__ uint2 ldg8_pol(const void *p, uint64_t pol) {
     uint2 v;
-    asm volatile("ld.global.nc.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+    asm volatile("ld.global.nc.L2::cache_hint" M3_W_PF ".v2.u32 {%0, %1}, [%2], %3;"
                  : "=r"(v.x), "=r"(v.y)
                  : "l"(p), "l"(pol));
     return v;
 }
 /* The same, not kept in L1 (L1::no_allocate): weights a kernel streams
- * once, so that L1 keeps the activations every tile re-reads.
- * M3_LDG_NA_PF_BYTES (0 by default: no qualifier) is an experiment's build
- * switch, an L2 prefetch size for these loads (128 or 256: a miss fetches
- * the next pieces of the row too); prepared, not yet run (docs/PERF.md,
- * forty-ninth session). */
-#if !defined(M3_LDG_NA_PF_BYTES) || M3_LDG_NA_PF_BYTES == 0
-#define M3_LDG_NA_PF ""
-#elif M3_LDG_NA_PF_BYTES == 128
-#define M3_LDG_NA_PF ".L2::128B"
-#elif M3_LDG_NA_PF_BYTES == 256
-#define M3_LDG_NA_PF ".L2::256B"
-#else
-#error "M3_LDG_NA_PF_BYTES: 0, 128 or 256"
-#endif
+ * once, so that L1 keeps the activations every tile re-reads. PF256: a
+ * load that misses L2 fetches the aligned 256 bytes around it from DRAM
+ * (.L2::256B), so where a warp's load asks for only 32-64 bytes of each of
+ * 8 rows (the MMA linear, cuda_lmma.cuh), the next pieces of those rows
+ * are already on their way to L2: the MMA linear at 1-16 rows took 4-22%
+ * less time, a stock layer at one row 5% less (docs/PERF.md, fiftieth
+ * session). */
+template <bool PF256>
 __device__ __forceinline__ uint4 ldg16_na_pol(const void *p, uint64_t pol) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint" M3_LDG_NA_PF
-                 ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(pol));
+    if constexpr (PF256)
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 "
+                     "{%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p), "l"(pol));
+    else
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 "
+                     "{%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p), "l"(pol));
     return v;
 }
+template <bool PF256>
 __device__ __forceinline__ uint2 ldg8_na_pol(const void *p, uint64_t pol) {
     uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint" M3_LDG_NA_PF
-                 ".v2.u32 {%0, %1}, [%2], %3;"
-                 : "=r"(v.x), "=r"(v.y)
-                 : "l"(p), "l"(pol));
+    if constexpr (PF256)
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v2.u32 {%0, %1}, "
+                     "[%2], %3;"
+                     : "=r"(v.x), "=r"(v.y)
+                     : "l"(p), "l"(pol));
+    else
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+                     : "=r"(v.x), "=r"(v.y)
+                     : "l"(p), "l"(pol));
     return v;
 }
 

@@ -45,27 +45,14 @@
  * narrow weight's 9-32 rows took 5-16% longer). The order of the sums
  * does not depend on it. */
 #define LMMA_DEEP(NT) ((NT) == 4 ? 4 : 6)
-/* M3_LMMA_X_LATE (a build switch, off; prepared, not yet run: docs/PERF.md,
- * forty-ninth session): lmma_chunk's stages hold only the weights, and x's
- * fragments are loaded one piece ahead of their products (lmma_chunk_xlate:
- * two pieces' worth of x in registers instead of two stages'), so the wide
- * builds drop their spills (ptxas: 96-128 registers, none at 1-16 rows)
- * and can hold more pieces a stage (M3_LMMA_WIDE_U_XL: the pieces at 1-8,
- * 9-16 and 17-32 rows as hex digits 0xABC). The products run in the same
- * order: the same bits. */
-#ifndef M3_LMMA_X_LATE
-#define M3_LMMA_X_LATE 0
-#endif
-#if M3_LMMA_X_LATE
-#ifndef M3_LMMA_WIDE_U_XL
-#define M3_LMMA_WIDE_U_XL 0x433
-#endif
-#define LMMA_WIDE_U(NT) \
-    ((NT) == 1 ? (M3_LMMA_WIDE_U_XL >> 8) & 15 : (NT) == 2 ? (M3_LMMA_WIDE_U_XL >> 4) & 15 \
-                                                           : M3_LMMA_WIDE_U_XL & 15)
-#else
 #define LMMA_WIDE_U(NT) ((NT) == 4 ? 2 : 3)
-#endif
+/* The weight loads ask L2 for 256 bytes of a row at a time (ldg16_na_pol's
+ * PF256) at 1-16 rows: 4-22% less time for the linear's shapes there, the
+ * 16-row lm_head 15% less (a load is 64 bytes of each of 8 rows, a stage
+ * 192). At 17-32 rows (M3_LINEAR_MMA_ROWS=32 only) it was mixed, −9% to
+ * +15% by shape, so those stay as they were (docs/PERF.md, fiftieth
+ * session). */
+#define LMMA_PF256(NT) ((NT) <= 2)
 
 template <int NT, bool FP8, int U>
 struct lmma_stage {
@@ -95,108 +82,22 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
 /* Lane (g, q)'s 8 columns from k of weight rows na = n0 + g and na + 8
  * (zeros where the row is past N or k past the chunk), with their MXFP8
  * scales; sa / sb are left alone for bf16 weights. */
-template <bool FP8>
+template <bool FP8, bool PF256>
 __device__ __forceinline__ void lmma_load_w(const gemv_weight &W, const uint8_t *wa_row,
                                             const uint8_t *wb_row, bool row_a, bool row_b,
                                             int64_t na, int k, bool in, uint64_t pol, uint4 &wa,
                                             uint4 &wb, uint32_t &sa, uint32_t &sb) {
     if constexpr (FP8) {
-        uint2 a = in && row_a ? ldg8_na_pol(wa_row + k, pol) : make_uint2(0, 0);
-        uint2 b = in && row_b ? ldg8_na_pol(wb_row + k, pol) : make_uint2(0, 0);
+        uint2 a = in && row_a ? ldg8_na_pol<PF256>(wa_row + k, pol) : make_uint2(0, 0);
+        uint2 b = in && row_b ? ldg8_na_pol<PF256>(wb_row + k, pol) : make_uint2(0, 0);
         wa = make_uint4(a.x, a.y, 0, 0);
         wb = make_uint4(b.x, b.y, 0, 0);
         sa = in && row_a ? W.s[na * W.s_row + k / 32] : 0;
         sb = in && row_b ? W.s[(na + 8) * W.s_row + k / 32] : 0;
     } else {
         const uint4 z = make_uint4(0, 0, 0, 0);
-        wa = in && row_a ? ldg16_na_pol(wa_row + (size_t)k * 2, pol) : z;
-        wb = in && row_b ? ldg16_na_pol(wb_row + (size_t)k * 2, pol) : z;
-    }
-}
-
-template <int U, bool FP8>
-struct lmma_wstage {
-    uint4 wa[U], wb[U];                        /* rows g, g + 8 */
-    uint32_t sa[FP8 ? U : 1], sb[FP8 ? U : 1]; /* e8m0 scales (MXFP8) */
-};
-
-/* lmma_chunk's sums, the same bits, with x loaded one piece ahead of its
- * products and only the weights staged (M3_LMMA_X_LATE above). */
-template <int NT, bool FP8, int U, bool CG>
-__device__ __forceinline__ void lmma_chunk_xlate(const gemv_weight &W, int64_t N, int64_t n0,
-                                                 const uint16_t *__restrict__ x, int rows, int K,
-                                                 int k0, int k1, float (&acc)[NT][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int pieces = (k1 - k0 + 31) / 32, stages = (pieces + U - 1) / U;
-    const bool row_a = n0 + g < N, row_b = n0 + g + 8 < N;
-    const uint8_t *wa_row = W.w + (row_a ? n0 + g : 0) * W.w_row;
-    const uint8_t *wb_row = W.w + (row_b ? n0 + g + 8 : 0) * W.w_row;
-    const uint64_t pol = l2_evict_first();
-    const uint4 z = make_uint4(0, 0, 0, 0);
-
-    auto load_w = [&](lmma_wstage<U, FP8> &s, int stage) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int k = k0 + (stage * U + u) * 32 + q * 8;
-            const bool in = k < k1;
-            lmma_load_w<FP8>(W, wa_row, wb_row, row_a, row_b, n0 + g, k, in, pol, s.wa[u], s.wb[u],
-                             s.sa[FP8 ? u : 0], s.sb[FP8 ? u : 0]);
-        }
-    };
-    uint4 xv[2][NT]; /* x of pieces p (slot p & 1) and p + 1 */
-    auto load_x = [&](uint4 (&xs)[NT], int piece) {
-        const int k = k0 + piece * 32 + q * 8;
-        const bool in = piece < pieces && k < k1;
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            const int t = j * 8 + g;
-            const uint4 *xp = reinterpret_cast<const uint4 *>(x + (int64_t)t * K + k);
-            xs[j] = in && t < rows ? (CG ? __ldcg(xp) : __ldg(xp)) : z;
-        }
-    };
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            acc[j][i] = 0.0f;
-    /* ODD: the stage's index is odd, so piece stage U + u's slot, (U + u)
-     * & 1 or u & 1, is known when compiling (stages run in pairs) */
-    auto compute = [&](const lmma_wstage<U, FP8> &s, int stage, auto odd) {
-        constexpr int O = decltype(odd)::value ? U : 0;
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int piece = stage * U + u;
-            if (piece >= pieces) /* warp-uniform: past the chunk */
-                break;
-            load_x(xv[(O + u + 1) & 1], piece + 1);
-            uint4 a = s.wa[u], b = s.wb[u];
-            if constexpr (FP8) {
-                a = lmma_widen(a, s.sa[u]);
-                b = lmma_widen(b, s.sb[u]);
-            }
-            const uint32_t lo[4] = {a.x, b.x, a.y, b.y}, hi[4] = {a.z, b.z, a.w, b.w};
-            const uint4(&xc)[NT] = xv[(O + u) & 1];
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                mma_bf16(acc[j], lo, xc[j].x, xc[j].y);
-                mma_bf16(acc[j], hi, xc[j].z, xc[j].w);
-            }
-        }
-    };
-    lmma_wstage<U, FP8> s0, s1;
-    if (stages > 0) {
-        load_w(s0, 0);
-        load_x(xv[0], 0);
-    }
-    for (int st = 0; st < stages; st += 2) {
-        if (st + 1 < stages)
-            load_w(s1, st + 1);
-        compute(s0, st, std::false_type{});
-        if (st + 1 >= stages)
-            break;
-        if (st + 2 < stages)
-            load_w(s0, st + 2);
-        compute(s1, st + 1, std::true_type{});
+        wa = in && row_a ? ldg16_na_pol<PF256>(wa_row + (size_t)k * 2, pol) : z;
+        wb = in && row_b ? ldg16_na_pol<PF256>(wb_row + (size_t)k * 2, pol) : z;
     }
 }
 
@@ -209,7 +110,7 @@ __device__ __forceinline__ void lmma_chunk_xlate(const gemv_weight &W, int64_t N
  * its loads go through L2 (ld.global.cg), not the read-only cache, which
  * may hold an earlier launch's values; the sums do not depend on it. */
 template <int NT, bool FP8, int U, bool CG>
-__device__ __forceinline__ void lmma_chunk_early(const gemv_weight &W, int64_t N, int64_t n0,
+__device__ __forceinline__ void lmma_chunk(const gemv_weight &W, int64_t N, int64_t n0,
                                                  const uint16_t *__restrict__ x, int rows, int K,
                                                  int k0, int k1, float (&acc)[NT][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -225,7 +126,7 @@ __device__ __forceinline__ void lmma_chunk_early(const gemv_weight &W, int64_t N
             const int k = k0 + (stage * U + u) * 32 + q * 8;
             const bool in = k < k1;
             const uint4 z = make_uint4(0, 0, 0, 0);
-            lmma_load_w<FP8>(W, wa_row, wb_row, row_a, row_b, n0 + g, k, in, pol, s.wa[u], s.wb[u],
+            lmma_load_w<FP8, LMMA_PF256(NT)>(W, wa_row, wb_row, row_a, row_b, n0 + g, k, in, pol, s.wa[u], s.wb[u],
                              s.sa[FP8 ? u : 0], s.sb[FP8 ? u : 0]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
@@ -273,18 +174,6 @@ __device__ __forceinline__ void lmma_chunk_early(const gemv_weight &W, int64_t N
             load(s0, st + 2);
         compute(s1, st + 1);
     }
-
-}
-
-template <int NT, bool FP8, int U, bool CG>
-__device__ __forceinline__ void lmma_chunk(const gemv_weight &W, int64_t N, int64_t n0,
-                                           const uint16_t *__restrict__ x, int rows, int K,
-                                           int k0, int k1, float (&acc)[NT][4]) {
-#if M3_LMMA_X_LATE
-    lmma_chunk_xlate<NT, FP8, U, CG>(W, N, n0, x, rows, K, k0, k1, acc);
-#else
-    lmma_chunk_early<NT, FP8, U, CG>(W, N, n0, x, rows, K, k0, k1, acc);
-#endif
 }
 
 /* A CTA's chunk sums meeting in shared memory (part: [warps][NT * 4][32],
