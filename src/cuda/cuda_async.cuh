@@ -23,11 +23,16 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
-/* M3_W_PF_BYTES (a build switch, 0 by default: no qualifier; an
- * experiment, docs/PERF.md, fiftieth session): an L2 prefetch size (128 or
- * 256) for the weight loads below and the weight ring's copies
- * (cp_async16_pol), as ldg16_na_pol's PF256 for the MMA linear. */
-#if !defined(M3_W_PF_BYTES) || M3_W_PF_BYTES == 0
+/* M3_W_PF_BYTES (a build switch: 256 by default, 0 for none, or 128): the
+ * L2 prefetch size of the weight loads below and of the weight ring's
+ * copies (cp_async16_pol), as ldg16_na_pol's PF256 for the MMA linear.
+ * There a warp's load already asks for 512 contiguous bytes of a row, yet
+ * the mono layer took 1-2% less time at 2-4 rows with it (docs/PERF.md,
+ * fiftieth session). */
+#ifndef M3_W_PF_BYTES
+#define M3_W_PF_BYTES 256
+#endif
+#if M3_W_PF_BYTES == 0
 #define M3_W_PF ""
 #elif M3_W_PF_BYTES == 128
 #define M3_W_PF ".L2::128B"
