@@ -42,6 +42,21 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p) {
 #error "M3_W_PF_BYTES: 0, 128 or 256"
 #endif
 
+/* M3_PAGE_PF_BYTES (a build switch, 0 by default: no qualifier; prepared,
+ * not yet run: docs/PERF.md, fiftieth session): the same L2 prefetch size
+ * for the cache pages' copies (cp_async16_pol_s: the index keys of the
+ * stock and CP scorers and the mono index items, the mono attention's K
+ * and V blocks), whose rows are 256 contiguous bytes. */
+#if !defined(M3_PAGE_PF_BYTES) || M3_PAGE_PF_BYTES == 0
+#define M3_PAGE_PF ""
+#elif M3_PAGE_PF_BYTES == 128
+#define M3_PAGE_PF ".L2::128B"
+#elif M3_PAGE_PF_BYTES == 256
+#define M3_PAGE_PF ".L2::256B"
+#else
+#error "M3_PAGE_PF_BYTES: 0, 128 or 256"
+#endif
+
 /* 16 bytes global -> shared, bypassing L1; with fill false the 16 bytes are
  * zeroed and nothing is read. */
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool fill) {
@@ -86,7 +101,8 @@ __device__ __forceinline__ void cp_async16_pol(void *dst, const void *src, bool 
  * base through a shuffle (idx_copy_page): ptxas then keeps the address in
  * a per-thread register and the LDGSTS is well formed. */
 __device__ __forceinline__ void cp_async16_pol_s(uint32_t dst_s, const void *src, uint64_t pol) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst_s),
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint" M3_PAGE_PF
+                 " [%0], [%1], 16, %2;\n" ::"r"(dst_s),
                  "l"(src), "l"(pol)
                  : "memory");
 }
