@@ -25,7 +25,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p) {
 
 /* M3_W_PF_BYTES (a build switch: 256 by default, 0 for none, or 128): the
  * L2 prefetch size of the weight loads below and of the weight ring's
- * copies (cp_async16_pol), as ldg16_na_pol's PF256 for the MMA linear.
+ * copies (cp_async16_pol), as ldg16_na_pol's PF_BYTES for the MMA linear.
  * There a warp's load already asks for 512 contiguous bytes of a row, yet
  * the mono layer took 1-2% less time at 2-4 rows with it (docs/PERF.md,
  * fiftieth session). */
@@ -172,18 +172,24 @@ __device__ __forceinline__ uint2 ldg8_pol(const void *p, uint64_t pol) {
     return v;
 }
 /* The same, not kept in L1 (L1::no_allocate): weights a kernel streams
- * once, so that L1 keeps the activations every tile re-reads. PF256: a
- * load that misses L2 fetches the aligned 256 bytes around it from DRAM
- * (.L2::256B), so where a warp's load asks for only 32-64 bytes of each of
- * 8 rows (the MMA linear, cuda_lmma.cuh), the next pieces of those rows
- * are already on their way to L2: the MMA linear at 1-16 rows took 4-22%
- * less time, a stock layer at one row 5% less (docs/PERF.md, fiftieth
- * session). */
-template <bool PF256>
+ * once, so that L1 keeps the activations every tile re-reads. PF_BYTES
+ * 256: a load that misses L2 fetches the aligned 256 bytes around it from
+ * DRAM (.L2::256B; 128: .L2::128B; 0: no qualifier), so where a warp's
+ * load asks for only 32-64 bytes of each of 8 rows (the MMA linear,
+ * cuda_lmma.cuh), the next pieces of those rows are already on their way
+ * to L2: the MMA linear at 1-16 rows took 4-22% less time, a stock layer
+ * at one row 5% less (docs/PERF.md, fiftieth session). */
+template <int PF_BYTES>
 __device__ __forceinline__ uint4 ldg16_na_pol(const void *p, uint64_t pol) {
+    static_assert(PF_BYTES == 0 || PF_BYTES == 128 || PF_BYTES == 256, "0, 128 or 256");
     uint4 v;
-    if constexpr (PF256)
+    if constexpr (PF_BYTES == 256)
         asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 "
+                     "{%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p), "l"(pol));
+    else if constexpr (PF_BYTES == 128)
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::128B.v4.u32 "
                      "{%0, %1, %2, %3}, [%4], %5;"
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                      : "l"(p), "l"(pol));
@@ -194,11 +200,17 @@ __device__ __forceinline__ uint4 ldg16_na_pol(const void *p, uint64_t pol) {
                      : "l"(p), "l"(pol));
     return v;
 }
-template <bool PF256>
+template <int PF_BYTES>
 __device__ __forceinline__ uint2 ldg8_na_pol(const void *p, uint64_t pol) {
+    static_assert(PF_BYTES == 0 || PF_BYTES == 128 || PF_BYTES == 256, "0, 128 or 256");
     uint2 v;
-    if constexpr (PF256)
+    if constexpr (PF_BYTES == 256)
         asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v2.u32 {%0, %1}, "
+                     "[%2], %3;"
+                     : "=r"(v.x), "=r"(v.y)
+                     : "l"(p), "l"(pol));
+    else if constexpr (PF_BYTES == 128)
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::128B.v2.u32 {%0, %1}, "
                      "[%2], %3;"
                      : "=r"(v.x), "=r"(v.y)
                      : "l"(p), "l"(pol));

@@ -47,12 +47,16 @@
 #define LMMA_DEEP(NT) ((NT) == 4 ? 4 : 6)
 #define LMMA_WIDE_U(NT) ((NT) == 4 ? 2 : 3)
 /* The weight loads ask L2 for 256 bytes of a row at a time (ldg16_na_pol's
- * PF256) at 1-16 rows: 4-22% less time for the linear's shapes there, the
- * 16-row lm_head 15% less (a load is 64 bytes of each of 8 rows, a stage
- * 192). At 17-32 rows (M3_LINEAR_MMA_ROWS=32 only) it was mixed, −9% to
- * +15% by shape, so those stay as they were (docs/PERF.md, fiftieth
- * session). */
-#define LMMA_PF256(NT) ((NT) <= 2)
+ * PF_BYTES) at 1-16 rows: 4-22% less time for the linear's shapes there,
+ * the 16-row lm_head 15% less (a load is 64 bytes of each of 8 rows, a
+ * stage 192). At 17-32 rows (M3_LINEAR_MMA_ROWS=32 only) 256 was mixed,
+ * −9% to +15% by shape, so that class takes M3_LMMA_PF_WIDE: 0 (none) by
+ * default; 128 is a prepared experiment, not yet run (docs/PERF.md,
+ * fiftieth session). */
+#ifndef M3_LMMA_PF_WIDE
+#define M3_LMMA_PF_WIDE 0
+#endif
+#define LMMA_PF_BYTES(NT) ((NT) <= 2 ? 256 : M3_LMMA_PF_WIDE)
 
 template <int NT, bool FP8, int U>
 struct lmma_stage {
@@ -82,22 +86,22 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
 /* Lane (g, q)'s 8 columns from k of weight rows na = n0 + g and na + 8
  * (zeros where the row is past N or k past the chunk), with their MXFP8
  * scales; sa / sb are left alone for bf16 weights. */
-template <bool FP8, bool PF256>
+template <bool FP8, int PF_BYTES>
 __device__ __forceinline__ void lmma_load_w(const gemv_weight &W, const uint8_t *wa_row,
                                             const uint8_t *wb_row, bool row_a, bool row_b,
                                             int64_t na, int k, bool in, uint64_t pol, uint4 &wa,
                                             uint4 &wb, uint32_t &sa, uint32_t &sb) {
     if constexpr (FP8) {
-        uint2 a = in && row_a ? ldg8_na_pol<PF256>(wa_row + k, pol) : make_uint2(0, 0);
-        uint2 b = in && row_b ? ldg8_na_pol<PF256>(wb_row + k, pol) : make_uint2(0, 0);
+        uint2 a = in && row_a ? ldg8_na_pol<PF_BYTES>(wa_row + k, pol) : make_uint2(0, 0);
+        uint2 b = in && row_b ? ldg8_na_pol<PF_BYTES>(wb_row + k, pol) : make_uint2(0, 0);
         wa = make_uint4(a.x, a.y, 0, 0);
         wb = make_uint4(b.x, b.y, 0, 0);
         sa = in && row_a ? W.s[na * W.s_row + k / 32] : 0;
         sb = in && row_b ? W.s[(na + 8) * W.s_row + k / 32] : 0;
     } else {
         const uint4 z = make_uint4(0, 0, 0, 0);
-        wa = in && row_a ? ldg16_na_pol<PF256>(wa_row + (size_t)k * 2, pol) : z;
-        wb = in && row_b ? ldg16_na_pol<PF256>(wb_row + (size_t)k * 2, pol) : z;
+        wa = in && row_a ? ldg16_na_pol<PF_BYTES>(wa_row + (size_t)k * 2, pol) : z;
+        wb = in && row_b ? ldg16_na_pol<PF_BYTES>(wb_row + (size_t)k * 2, pol) : z;
     }
 }
 
@@ -126,8 +130,9 @@ __device__ __forceinline__ void lmma_chunk(const gemv_weight &W, int64_t N, int6
             const int k = k0 + (stage * U + u) * 32 + q * 8;
             const bool in = k < k1;
             const uint4 z = make_uint4(0, 0, 0, 0);
-            lmma_load_w<FP8, LMMA_PF256(NT)>(W, wa_row, wb_row, row_a, row_b, n0 + g, k, in, pol, s.wa[u], s.wb[u],
-                             s.sa[FP8 ? u : 0], s.sb[FP8 ? u : 0]);
+            lmma_load_w<FP8, LMMA_PF_BYTES(NT)>(W, wa_row, wb_row, row_a, row_b, n0 + g, k, in,
+                                                pol, s.wa[u], s.wb[u], s.sa[FP8 ? u : 0],
+                                                s.sb[FP8 ? u : 0]);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const int t = j * 8 + g;
