@@ -177,7 +177,7 @@ __device__ __forceinline__ uint2 ldg8_pol(const void *p, uint64_t pol) {
  * DRAM (.L2::256B; 128: .L2::128B; 0: no qualifier), so where a warp's
  * load asks for only 32-64 bytes of each of 8 rows (the MMA linear,
  * cuda_lmma.cuh), the next pieces of those rows are already on their way
- * to L2: the MMA linear at 1-16 rows took 4-22% less time, a stock layer
+ * to L2: the MMA linear at 1-16 rows took up to 22% less time, a stock layer
  * at one row 5% less (docs/PERF.md, fiftieth session). */
 template <int PF_BYTES>
 __device__ __forceinline__ uint4 ldg16_na_pol(const void *p, uint64_t pol) {

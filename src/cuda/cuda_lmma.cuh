@@ -47,7 +47,7 @@
 #define LMMA_DEEP(NT) ((NT) == 4 ? 4 : 6)
 #define LMMA_WIDE_U(NT) ((NT) == 4 ? 2 : 3)
 /* The weight loads ask L2 for 256 bytes of a row at a time (ldg16_na_pol's
- * PF_BYTES) at 1-16 rows: 4-22% less time for the linear's shapes there,
+ * PF_BYTES) at 1-16 rows: 1-22% less time for most of the linear's shapes,
  * the 16-row lm_head 15% less (a load is 64 bytes of each of 8 rows, a
  * stage 192). At 17-32 rows (M3_LINEAR_MMA_ROWS=32 only) 256 was mixed,
  * −9% to +15% by shape, so that class takes M3_LMMA_PF_WIDE: 0 (none) by
