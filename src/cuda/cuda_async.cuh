@@ -23,39 +23,36 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
+/* L2 prefetch sizes as PTX qualifiers: M3_PF_QUAL(256) is ".L2::256B"
+ * (a load that misses L2 brings the aligned 256 bytes around it), 128
+ * ".L2::128B", 0 none. */
+#define M3_PF_QUAL_0 ""
+#define M3_PF_QUAL_128 ".L2::128B"
+#define M3_PF_QUAL_256 ".L2::256B"
+#define M3_PF_QUAL_(n) M3_PF_QUAL_##n
+#define M3_PF_QUAL(n) M3_PF_QUAL_(n)
+
 /* M3_W_PF_BYTES (a build switch: 256 by default, 0 for none, or 128): the
  * L2 prefetch size of the weight loads below and of the weight ring's
  * copies (cp_async16_pol), as ldg16_na_pol's PF_BYTES for the MMA linear.
  * There a warp's load already asks for 512 contiguous bytes of a row, yet
  * the mono layer took 1-2% less time at 2-4 rows with it (docs/PERF.md,
- * fiftieth session). */
+ * fiftieth session). M3_PAGE_PF_BYTES (0 by default; prepared, not yet
+ * run) is the same for the cache pages' copies (cp_async16_pol_s: the
+ * index keys of the stock and CP scorers and the mono index items, the
+ * mono attention's K and V blocks), whose rows are 256 contiguous bytes. */
 #ifndef M3_W_PF_BYTES
 #define M3_W_PF_BYTES 256
 #endif
-#if M3_W_PF_BYTES == 0
-#define M3_W_PF ""
-#elif M3_W_PF_BYTES == 128
-#define M3_W_PF ".L2::128B"
-#elif M3_W_PF_BYTES == 256
-#define M3_W_PF ".L2::256B"
-#else
-#error "M3_W_PF_BYTES: 0, 128 or 256"
+#ifndef M3_PAGE_PF_BYTES
+#define M3_PAGE_PF_BYTES 0
 #endif
-
-/* M3_PAGE_PF_BYTES (a build switch, 0 by default: no qualifier; prepared,
- * not yet run: docs/PERF.md, fiftieth session): the same L2 prefetch size
- * for the cache pages' copies (cp_async16_pol_s: the index keys of the
- * stock and CP scorers and the mono index items, the mono attention's K
- * and V blocks), whose rows are 256 contiguous bytes. */
-#if !defined(M3_PAGE_PF_BYTES) || M3_PAGE_PF_BYTES == 0
-#define M3_PAGE_PF ""
-#elif M3_PAGE_PF_BYTES == 128
-#define M3_PAGE_PF ".L2::128B"
-#elif M3_PAGE_PF_BYTES == 256
-#define M3_PAGE_PF ".L2::256B"
-#else
-#error "M3_PAGE_PF_BYTES: 0, 128 or 256"
+#if (M3_W_PF_BYTES != 0 && M3_W_PF_BYTES != 128 && M3_W_PF_BYTES != 256) || \
+    (M3_PAGE_PF_BYTES != 0 && M3_PAGE_PF_BYTES != 128 && M3_PAGE_PF_BYTES != 256)
+#error "M3_W_PF_BYTES and M3_PAGE_PF_BYTES: 0, 128 or 256"
 #endif
+#define M3_W_PF M3_PF_QUAL(M3_W_PF_BYTES)
+#define M3_PAGE_PF M3_PF_QUAL(M3_PAGE_PF_BYTES)
 
 /* 16 bytes global -> shared, bypassing L1; with fill false the 16 bytes are
  * zeroed and nothing is read. */
@@ -88,8 +85,7 @@ __device__ __forceinline__ void cp_async16_pol(void *dst, const void *src, bool 
                                                uint64_t pol) {
     if (fill)
         asm volatile("cp.async.cg.shared.global.L2::cache_hint" M3_W_PF
-                     " [%0], [%1], 16, %2;\n" ::"r"(
-                         smem_u32(dst)),
+                     " [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)),
                      "l"(src), "l"(pol)
                      : "memory");
     else
@@ -183,41 +179,35 @@ template <int PF_BYTES>
 __device__ __forceinline__ uint4 ldg16_na_pol(const void *p, uint64_t pol) {
     static_assert(PF_BYTES == 0 || PF_BYTES == 128 || PF_BYTES == 256, "0, 128 or 256");
     uint4 v;
+#define M3_LDG16_NA(Q)                                                                         \
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint" Q ".v4.u32 "                  \
+                 "{%0, %1, %2, %3}, [%4], %5;"                                                 \
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)                                  \
+                 : "l"(p), "l"(pol))
     if constexpr (PF_BYTES == 256)
-        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 "
-                     "{%0, %1, %2, %3}, [%4], %5;"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(p), "l"(pol));
+        M3_LDG16_NA(M3_PF_QUAL(256));
     else if constexpr (PF_BYTES == 128)
-        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::128B.v4.u32 "
-                     "{%0, %1, %2, %3}, [%4], %5;"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(p), "l"(pol));
+        M3_LDG16_NA(M3_PF_QUAL(128));
     else
-        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 "
-                     "{%0, %1, %2, %3}, [%4], %5;"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(p), "l"(pol));
+        M3_LDG16_NA(M3_PF_QUAL(0));
+#undef M3_LDG16_NA
     return v;
 }
 template <int PF_BYTES>
 __device__ __forceinline__ uint2 ldg8_na_pol(const void *p, uint64_t pol) {
     static_assert(PF_BYTES == 0 || PF_BYTES == 128 || PF_BYTES == 256, "0, 128 or 256");
     uint2 v;
+#define M3_LDG8_NA(Q)                                                                          \
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint" Q ".v2.u32 {%0, %1}, [%2], %3;" \
+                 : "=r"(v.x), "=r"(v.y)                                                        \
+                 : "l"(p), "l"(pol))
     if constexpr (PF_BYTES == 256)
-        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v2.u32 {%0, %1}, "
-                     "[%2], %3;"
-                     : "=r"(v.x), "=r"(v.y)
-                     : "l"(p), "l"(pol));
+        M3_LDG8_NA(M3_PF_QUAL(256));
     else if constexpr (PF_BYTES == 128)
-        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::128B.v2.u32 {%0, %1}, "
-                     "[%2], %3;"
-                     : "=r"(v.x), "=r"(v.y)
-                     : "l"(p), "l"(pol));
+        M3_LDG8_NA(M3_PF_QUAL(128));
     else
-        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
-                     : "=r"(v.x), "=r"(v.y)
-                     : "l"(p), "l"(pol));
+        M3_LDG8_NA(M3_PF_QUAL(0));
+#undef M3_LDG8_NA
     return v;
 }
 

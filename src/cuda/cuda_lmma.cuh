@@ -9,8 +9,6 @@
 #ifndef M3_CUDA_CUDA_LMMA_CUH
 #define M3_CUDA_CUDA_LMMA_CUH
 
-#include <type_traits>
-
 #include "cuda/cuda_gemv.cuh"
 #include "cuda/cuda_ksum.cuh"
 
@@ -83,28 +81,6 @@ __device__ __forceinline__ uint4 lmma_widen(uint4 v, uint32_t s) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-/* Lane (g, q)'s 8 columns from k of weight rows na = n0 + g and na + 8
- * (zeros where the row is past N or k past the chunk), with their MXFP8
- * scales; sa / sb are left alone for bf16 weights. */
-template <bool FP8, int PF_BYTES>
-__device__ __forceinline__ void lmma_load_w(const gemv_weight &W, const uint8_t *wa_row,
-                                            const uint8_t *wb_row, bool row_a, bool row_b,
-                                            int64_t na, int k, bool in, uint64_t pol, uint4 &wa,
-                                            uint4 &wb, uint32_t &sa, uint32_t &sb) {
-    if constexpr (FP8) {
-        uint2 a = in && row_a ? ldg8_na_pol<PF_BYTES>(wa_row + k, pol) : make_uint2(0, 0);
-        uint2 b = in && row_b ? ldg8_na_pol<PF_BYTES>(wb_row + k, pol) : make_uint2(0, 0);
-        wa = make_uint4(a.x, a.y, 0, 0);
-        wb = make_uint4(b.x, b.y, 0, 0);
-        sa = in && row_a ? W.s[na * W.s_row + k / 32] : 0;
-        sb = in && row_b ? W.s[(na + 8) * W.s_row + k / 32] : 0;
-    } else {
-        const uint4 z = make_uint4(0, 0, 0, 0);
-        wa = in && row_a ? ldg16_na_pol<PF_BYTES>(wa_row + (size_t)k * 2, pol) : z;
-        wb = in && row_b ? ldg16_na_pol<PF_BYTES>(wb_row + (size_t)k * 2, pol) : z;
-    }
-}
-
 /* One warp's sums of weight rows [n0, n0 + 16) of W (N rows) over
  * columns [k0, k1) for the rows of x ([rows, K], rows <= 8 NT). The
  * weights, read once, bypass L1 (no_allocate), which then keeps x for the
@@ -115,8 +91,8 @@ __device__ __forceinline__ void lmma_load_w(const gemv_weight &W, const uint8_t 
  * may hold an earlier launch's values; the sums do not depend on it. */
 template <int NT, bool FP8, int U, bool CG>
 __device__ __forceinline__ void lmma_chunk(const gemv_weight &W, int64_t N, int64_t n0,
-                                                 const uint16_t *__restrict__ x, int rows, int K,
-                                                 int k0, int k1, float (&acc)[NT][4]) {
+                                           const uint16_t *__restrict__ x, int rows, int K,
+                                           int k0, int k1, float (&acc)[NT][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int pieces = (k1 - k0 + 31) / 32, stages = (pieces + U - 1) / U;
     const bool row_a = n0 + g < N, row_b = n0 + g + 8 < N;
@@ -130,9 +106,18 @@ __device__ __forceinline__ void lmma_chunk(const gemv_weight &W, int64_t N, int6
             const int k = k0 + (stage * U + u) * 32 + q * 8;
             const bool in = k < k1;
             const uint4 z = make_uint4(0, 0, 0, 0);
-            lmma_load_w<FP8, LMMA_PF_BYTES(NT)>(W, wa_row, wb_row, row_a, row_b, n0 + g, k, in,
-                                                pol, s.wa[u], s.wb[u], s.sa[FP8 ? u : 0],
-                                                s.sb[FP8 ? u : 0]);
+            constexpr int PF = LMMA_PF_BYTES(NT);
+            if constexpr (FP8) {
+                uint2 a = in && row_a ? ldg8_na_pol<PF>(wa_row + k, pol) : make_uint2(0, 0);
+                uint2 b = in && row_b ? ldg8_na_pol<PF>(wb_row + k, pol) : make_uint2(0, 0);
+                s.wa[u] = make_uint4(a.x, a.y, 0, 0);
+                s.wb[u] = make_uint4(b.x, b.y, 0, 0);
+                s.sa[u] = in && row_a ? W.s[(n0 + g) * W.s_row + k / 32] : 0;
+                s.sb[u] = in && row_b ? W.s[(n0 + g + 8) * W.s_row + k / 32] : 0;
+            } else {
+                s.wa[u] = in && row_a ? ldg16_na_pol<PF>(wa_row + (size_t)k * 2, pol) : z;
+                s.wb[u] = in && row_b ? ldg16_na_pol<PF>(wb_row + (size_t)k * 2, pol) : z;
+            }
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const int t = j * 8 + g;
