@@ -37,22 +37,16 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p) {
  * copies (cp_async16_pol), as ldg16_na_pol's PF_BYTES for the MMA linear.
  * There a warp's load already asks for 512 contiguous bytes of a row, yet
  * the mono layer took 1-2% less time at 2-4 rows with it (docs/PERF.md,
- * fiftieth session). M3_PAGE_PF_BYTES (0 by default; prepared, not yet
- * run) is the same for the cache pages' copies (cp_async16_pol_s: the
- * index keys of the stock and CP scorers and the mono index items, the
- * mono attention's K and V blocks), whose rows are 256 contiguous bytes. */
+ * fiftieth session). The cache pages' copies (cp_async16_pol_s: the index
+ * keys, the mono attention's K and V blocks; rows of 256 contiguous bytes)
+ * take none: 256 there ran level in both layers (fifty-first session). */
 #ifndef M3_W_PF_BYTES
 #define M3_W_PF_BYTES 256
 #endif
-#ifndef M3_PAGE_PF_BYTES
-#define M3_PAGE_PF_BYTES 0
-#endif
-#if (M3_W_PF_BYTES != 0 && M3_W_PF_BYTES != 128 && M3_W_PF_BYTES != 256) || \
-    (M3_PAGE_PF_BYTES != 0 && M3_PAGE_PF_BYTES != 128 && M3_PAGE_PF_BYTES != 256)
-#error "M3_W_PF_BYTES and M3_PAGE_PF_BYTES: 0, 128 or 256"
+#if M3_W_PF_BYTES != 0 && M3_W_PF_BYTES != 128 && M3_W_PF_BYTES != 256
+#error "M3_W_PF_BYTES: 0, 128 or 256"
 #endif
 #define M3_W_PF M3_PF_QUAL(M3_W_PF_BYTES)
-#define M3_PAGE_PF M3_PF_QUAL(M3_PAGE_PF_BYTES)
 
 /* 16 bytes global -> shared, bypassing L1; with fill false the 16 bytes are
  * zeroed and nothing is read. */
@@ -97,8 +91,7 @@ __device__ __forceinline__ void cp_async16_pol(void *dst, const void *src, bool 
  * base through a shuffle (idx_copy_page): ptxas then keeps the address in
  * a per-thread register and the LDGSTS is well formed. */
 __device__ __forceinline__ void cp_async16_pol_s(uint32_t dst_s, const void *src, uint64_t pol) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint" M3_PAGE_PF
-                 " [%0], [%1], 16, %2;\n" ::"r"(dst_s),
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst_s),
                  "l"(src), "l"(pol)
                  : "memory");
 }
