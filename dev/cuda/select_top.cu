@@ -49,10 +49,18 @@ __global__ void __launch_bounds__(THREADS)
         st[i] = sc[(size_t)c * kMaxN + i];
     __syncthreads();
     int32_t *o = out + (size_t)c * kMaxN;
+    const int m = n < 128 ? n : 128; /* v3: the keys of the first m blocks, ranked */
+    if (V == 3) {
+        for (int i = threadIdx.x; i < m; i += THREADS)
+            reinterpret_cast<uint64_t *>(sh.hist)[i] = sel_key(st[i], i);
+        __syncthreads();
+    }
     unsigned long long t0 = 0, t1 = 0;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     for (int r = 0; r < reps; r++) {
-        if (V == 1) {
+        if (V == 3) {
+            sel_rank_write<THREADS>(reinterpret_cast<const uint64_t *>(sh.hist), m, room, sh);
+        } else if (V == 1) {
             const uint64_t thr = sel_threshold<THREADS>(st, 0, n, room, sh);
             sel_compact<THREADS>(st, 0, n, thr, (int)room, o, sh);
         } else {
@@ -197,8 +205,10 @@ int main() {
     int bad = 0, filtered128 = 0, filtered512 = 0;
     for (const Case &c : cases) {
         const int p128 = (c.n + 127) / 128, p512 = (c.n + 511) / 512;
-        filtered128 += c.n > 128 && p128 <= kSelFilterPer && c.room * p128 <= 128;
-        filtered512 += c.n > 128 && p512 <= kSelFilterPer && c.room * p512 * 4 <= 128;
+        filtered128 += c.n > 128 && p128 >= M3_SEL_FILTER_MIN_PER && p128 <= kSelFilterPer &&
+                       c.room * p128 <= 128;
+        filtered512 += c.n > 128 && p512 >= M3_SEL_FILTER_MIN_PER && p512 <= kSelFilterPer &&
+                       c.room * p512 * 4 <= 128;
     }
     for (int v = 1; v <= 2; v++) {
         bad += check<128>(cases, v);
@@ -207,12 +217,17 @@ int main() {
     printf("select_top: %zu cases x 2 CTA sizes x 2 versions (filtered path: %d at 128 threads, "
            "%d at 512): %s\n",
            cases.size(), filtered128, filtered512, bad ? "FAILED" : "all exact");
-    printf("\n| threads | candidates | room | v1 radix ns | v2 sel_top ns |\n|---|---|---|---|---|\n");
-    for (int n : {255, 1023}) {
+    printf("\n| threads | candidates | room | v1 radix ns | v2 sel_top ns |\n"
+           "|---|---|---|---|---|\n");
+    for (int n : {129, 255, 383, 511, 639, 767, 895, 1023}) {
         printf("| 128 | %d | 15 | %.0f | %.0f |\n", n, latency_ns<128, 1>(n, 15),
                latency_ns<128, 2>(n, 15));
         printf("| 512 | %d | 15 | %.0f | %.0f |\n", n, latency_ns<512, 1>(n, 15),
                latency_ns<512, 2>(n, 15));
     }
+    /* a part of v2: one rank of m keys by m threads (the keys in place) */
+    printf("\n| threads | keys ranked | rank ns |\n|---|---|---|\n");
+    for (int n : {32, 64, 128})
+        printf("| 128 | %d | %.0f |\n", n, latency_ns<128, 3>(n, 15));
     return bad ? 1 : 0;
 }

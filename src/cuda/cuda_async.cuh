@@ -360,7 +360,7 @@ namespace {
 
 template <int WARPS>
 struct SelSharedT {
-    unsigned hist[256];
+    alignas(16) unsigned hist[256]; /* 16: sel_rank_write may read key pairs */
     unsigned long long prefix;
     unsigned k;
     int done;
@@ -416,6 +416,45 @@ __device__ void sel_find_digit(SelSharedT<WARPS> &sh, int shift) {
     }
 }
 
+/* M3_SEL_RANK_PAIRS=1 (a build switch, off): sel_rank_write reads the keys
+ * two at a time (16-byte shared loads) into two counts, half the loads and
+ * two add chains instead of one (docs/PERF.md, fifty-first session) */
+#ifndef M3_SEL_RANK_PAIRS
+#define M3_SEL_RANK_PAIRS 0
+#endif
+
+/* Thread x < n of THREADS: the key of keys[0..n) (shared memory, 16-byte
+ * aligned) with exactly room - 1 keys above it, written to sh.prefix (keys
+ * are distinct, so exactly one thread writes). The caller's barrier makes
+ * it visible. */
+template <int THREADS>
+__device__ __forceinline__ void sel_rank_write(const uint64_t *keys, int n, unsigned room,
+                                               SelSharedT<THREADS / 32> &sh) {
+    if ((int)threadIdx.x < n) {
+        const uint64_t key = keys[threadIdx.x];
+        unsigned above = 0;
+#if M3_SEL_RANK_PAIRS
+        const ulonglong2 *pairs = reinterpret_cast<const ulonglong2 *>(keys);
+        unsigned above_odd = 0;
+        int j = 0;
+#pragma unroll 4
+        for (; j + 1 < n; j += 2) {
+            const ulonglong2 p = pairs[j >> 1];
+            above += p.x > key;
+            above_odd += p.y > key;
+        }
+        if (j < n)
+            above += keys[j] > key;
+        above += above_odd;
+#else
+        for (int j = 0; j < n; j++)
+            above += keys[j] > key;
+#endif
+        if (above == room - 1u)
+            sh.prefix = key;
+    }
+}
+
 /* Up to 128 candidates (every context up to 16K tokens): each thread ranks
  * its candidate's key against all of them (keys are distinct, so exactly
  * one has rank room - 1) and that key is the threshold. Two barriers and n
@@ -427,17 +466,10 @@ __device__ uint64_t sel_threshold_small(const float *sc, int c0, int n, unsigned
                                         SelSharedT<THREADS / 32> &sh) {
     static_assert(sizeof(sh.hist) >= 128 * sizeof(uint64_t), "the keys live in hist");
     uint64_t *keys = reinterpret_cast<uint64_t *>(sh.hist);
-    uint64_t key = 0;
     for (int i = threadIdx.x; i < n; i += THREADS) /* one round: n <= 128 <= THREADS */
-        keys[i] = key = sel_key(sc[c0 + i], c0 + i);
+        keys[i] = sel_key(sc[c0 + i], c0 + i);
     __syncthreads();
-    if ((int)threadIdx.x < n) {
-        unsigned above = 0;
-        for (int j = 0; j < n; j++)
-            above += keys[j] > key;
-        if (above == room - 1u)
-            sh.prefix = key;
-    }
+    sel_rank_write<THREADS>(keys, n, room, sh);
     __syncthreads();
     const uint64_t thr = sh.prefix;
     __syncthreads(); /* hist (the keys) and prefix are the caller's again */
@@ -526,6 +558,12 @@ __device__ int sel_compact(const float *sc, int c0, int c1, uint64_t thr, int ro
 /* Candidates a thread holds in registers on sel_top's filtered path */
 constexpr int kSelFilterPer = 8;
 
+/* M3_SEL_FILTER_MIN_PER=p (a build switch): the filtered path only from p
+ * candidates a thread (below, the radix select's passes are cheaper) */
+#ifndef M3_SEL_FILTER_MIN_PER
+#define M3_SEL_FILTER_MIN_PER 1
+#endif
+
 /* Can sel_top take the filtered path? Blocks go to threads in contiguous
  * runs of per = ceil(n / THREADS) and a group is THREADS / 128 threads, so
  * there are at most 128 group maxima; the room-th largest of them is a
@@ -537,24 +575,8 @@ template <int THREADS>
 __device__ __forceinline__ bool sel_filter_fits(int n, unsigned room) {
     static_assert(THREADS % 128 == 0, "groups of THREADS / 128 threads");
     const int per = (n + THREADS - 1) / THREADS;
-    return n > 128 && per <= kSelFilterPer && room >= 1u && (int)room < n &&
-           (long)room * per * (THREADS / 128) <= 128;
-}
-
-/* Thread x < n of THREADS: out = the key of keys[0..n) with exactly
- * room - 1 keys above it, written to sh.prefix (keys are distinct, so
- * exactly one thread writes). The caller's barrier makes it visible. */
-template <int THREADS>
-__device__ __forceinline__ void sel_rank_write(const uint64_t *keys, int n, unsigned room,
-                                               SelSharedT<THREADS / 32> &sh) {
-    if ((int)threadIdx.x < n) {
-        const uint64_t key = keys[threadIdx.x];
-        unsigned above = 0;
-        for (int j = 0; j < n; j++)
-            above += keys[j] > key;
-        if (above == room - 1u)
-            sh.prefix = key;
-    }
+    return n > 128 && per >= M3_SEL_FILTER_MIN_PER && per <= kSelFilterPer && room >= 1u &&
+           (int)room < n && (long)room * per * (THREADS / 128) <= 128;
 }
 
 /* sel_top's filtered path (sel_filter_fits): the bound from the group
