@@ -20,6 +20,7 @@
  *
  *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc \
  *        dev/cuda/select_top.cu -o /tmp/select_top && /tmp/select_top
+ * (--check: the cases only, for compute-sanitizer)
  */
 #include <cuda_runtime.h>
 
@@ -27,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_async.cuh" /* sel_threshold, sel_compact, sel_top */
@@ -192,7 +194,12 @@ static double latency_ns(int n, int room) {
     return dev_median(t);
 }
 
-int main() {
+int main(int argc, char **argv) {
+    const bool check_only = argc == 2 && std::string(argv[1]) == "--check";
+    if (argc > 1 && !check_only) {
+        fprintf(stderr, "usage: %s [--check] (--check: the exactness cases only)\n", argv[0]);
+        return 2;
+    }
     std::vector<Case> cases;
     const int ns[] = {100, 129, 200, 255, 256, 257, 511, 512, 513, 700, 1000, 1023, 1024, 1025,
                       2000, 4096};
@@ -217,6 +224,8 @@ int main() {
     printf("select_top: %zu cases x 2 CTA sizes x 2 versions (filtered path: %d at 128 threads, "
            "%d at 512): %s\n",
            cases.size(), filtered128, filtered512, bad ? "FAILED" : "all exact");
+    if (check_only)
+        return bad ? 1 : 0;
     printf("\n| threads | candidates | room | v1 radix ns | v2 sel_top ns |\n"
            "|---|---|---|---|---|\n");
     for (int n : {129, 255, 383, 511, 639, 767, 895, 1023}) {
