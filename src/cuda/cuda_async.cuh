@@ -340,16 +340,20 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 
 /* ---- exact top-k block selection (m3_select_row's total order) ----
  * One CTA of THREADS threads selects the `room` best of candidate blocks
- * [c0, c1) by score: the threshold key (sel_threshold: a direct rank of up
- * to 128 candidates, else a radix select over 64-bit keys), then the
+ * [c0, c1) by score (sel_top): where the room is small against the
+ * candidates (M3's 15 of up to 1,024 at 128 threads), the keys that can
+ * reach the room are filtered to at most 128 and ranked directly
+ * (sel_top_filtered); else the threshold key (sel_threshold: a direct rank
+ * of up to 128 candidates, else a radix select over 64-bit keys), then the
  * selected ids in ascending order (sel_compact). The stock select
  * kernel (cuda_index.cu) and the mono selection item (cuda_mono_attn.cuh)
- * run this code with their own CTA sizes. */
+ * run this code with their own CTA sizes; dev/cuda/select_top.cu checks
+ * both sizes against a host reference and times them. */
 namespace {
 
 template <int WARPS>
 struct SelSharedT {
-    unsigned hist[256];
+    alignas(16) unsigned hist[256]; /* 16: sel_rank_write may read key pairs */
     unsigned long long prefix;
     unsigned k;
     int done;
@@ -405,6 +409,45 @@ __device__ void sel_find_digit(SelSharedT<WARPS> &sh, int shift) {
     }
 }
 
+/* M3_SEL_RANK_PAIRS=1 (a build switch, off): sel_rank_write reads the keys
+ * two at a time (16-byte shared loads) into two counts, half the loads and
+ * two add chains instead of one (docs/PERF.md, fifty-first session) */
+#ifndef M3_SEL_RANK_PAIRS
+#define M3_SEL_RANK_PAIRS 0
+#endif
+
+/* Thread x < n of THREADS: the key of keys[0..n) (shared memory, 16-byte
+ * aligned) with exactly room - 1 keys above it, written to sh.prefix (keys
+ * are distinct, so exactly one thread writes). The caller's barrier makes
+ * it visible. */
+template <int THREADS>
+__device__ __forceinline__ void sel_rank_write(const uint64_t *keys, int n, unsigned room,
+                                               SelSharedT<THREADS / 32> &sh) {
+    if ((int)threadIdx.x < n) {
+        const uint64_t key = keys[threadIdx.x];
+        unsigned above = 0;
+#if M3_SEL_RANK_PAIRS
+        const ulonglong2 *pairs = reinterpret_cast<const ulonglong2 *>(keys);
+        unsigned above_odd = 0;
+        int j = 0;
+#pragma unroll 4
+        for (; j + 1 < n; j += 2) {
+            const ulonglong2 p = pairs[j >> 1];
+            above += p.x > key;
+            above_odd += p.y > key;
+        }
+        if (j < n)
+            above += keys[j] > key;
+        above += above_odd;
+#else
+        for (int j = 0; j < n; j++)
+            above += keys[j] > key;
+#endif
+        if (above == room - 1u)
+            sh.prefix = key;
+    }
+}
+
 /* Up to 128 candidates (every context up to 16K tokens): each thread ranks
  * its candidate's key against all of them (keys are distinct, so exactly
  * one has rank room - 1) and that key is the threshold. Two barriers and n
@@ -416,17 +459,10 @@ __device__ uint64_t sel_threshold_small(const float *sc, int c0, int n, unsigned
                                         SelSharedT<THREADS / 32> &sh) {
     static_assert(sizeof(sh.hist) >= 128 * sizeof(uint64_t), "the keys live in hist");
     uint64_t *keys = reinterpret_cast<uint64_t *>(sh.hist);
-    uint64_t key = 0;
     for (int i = threadIdx.x; i < n; i += THREADS) /* one round: n <= 128 <= THREADS */
-        keys[i] = key = sel_key(sc[c0 + i], c0 + i);
+        keys[i] = sel_key(sc[c0 + i], c0 + i);
     __syncthreads();
-    if ((int)threadIdx.x < n) {
-        unsigned above = 0;
-        for (int j = 0; j < n; j++)
-            above += keys[j] > key;
-        if (above == room - 1u)
-            sh.prefix = key;
-    }
+    sel_rank_write<THREADS>(keys, n, room, sh);
     __syncthreads();
     const uint64_t thr = sh.prefix;
     __syncthreads(); /* hist (the keys) and prefix are the caller's again */
@@ -510,6 +546,124 @@ __device__ int sel_compact(const float *sc, int c0, int c1, uint64_t thr, int ro
         __syncthreads(); /* wcount is rewritten next round */
     }
     return run < room ? run : room;
+}
+
+/* Candidates a thread holds in registers on sel_top's filtered path */
+constexpr int kSelFilterPer = 8;
+
+/* M3_SEL_FILTER_MIN_PER=p (a build switch): the filtered path only from p
+ * candidates a thread (below, the radix select's passes are cheaper) */
+#ifndef M3_SEL_FILTER_MIN_PER
+#define M3_SEL_FILTER_MIN_PER 1
+#endif
+
+/* Can sel_top take the filtered path? Blocks go to threads in contiguous
+ * runs of per = ceil(n / THREADS) and a group is THREADS / 128 threads, so
+ * there are at most 128 group maxima; the room-th largest of them is a
+ * lower bound of the room-th largest key (room distinct keys reach it),
+ * and only the room groups at or above it hold keys that reach it: at
+ * most room x per x group keys, which must fit the 128 keys of sh.hist.
+ * CTA-uniform. */
+template <int THREADS>
+__device__ __forceinline__ bool sel_filter_fits(int n, unsigned room) {
+    static_assert(THREADS % 128 == 0, "groups of THREADS / 128 threads");
+    const int per = (n + THREADS - 1) / THREADS;
+    return n > 128 && per >= M3_SEL_FILTER_MIN_PER && per <= kSelFilterPer && room >= 1u &&
+           (int)room < n && (long)room * per * (THREADS / 128) <= 128;
+}
+
+/* sel_top's filtered path (sel_filter_fits): the bound from the group
+ * maxima, the keys that reach it compacted in block order (at most 128),
+ * the exact threshold ranked among them, the selected ids written
+ * ascending. Six barriers and two ranks over at most 128 keys, where the
+ * radix select over 1,024 candidates takes four or more passes of three
+ * barriers and the compaction two barriers a round of THREADS candidates
+ * (the selection item 9.4 µs at 128K, the thirty-second session). */
+template <int THREADS>
+__device__ int sel_top_filtered(const float *sc, int c0, int c1, unsigned room, int32_t *out,
+                                SelSharedT<THREADS / 32> &sh) {
+    constexpr int kGroup = THREADS / 128, kWarps = THREADS / 32;
+    uint64_t *keys = reinterpret_cast<uint64_t *>(sh.hist);
+    const int n = c1 - c0, per = (n + THREADS - 1) / THREADS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = c0 + (int)threadIdx.x * per;
+    uint64_t k[kSelFilterPer], mx = 0;
+#pragma unroll
+    for (int j = 0; j < kSelFilterPer; j++) {
+        k[j] = 0;
+        if (j < per && first + j < c1) {
+            k[j] = sel_key(sc[first + j], first + j);
+            mx = k[j] > mx ? k[j] : mx;
+        }
+    }
+    /* the group's maximum (a group's first thread holds keys when any does) */
+#pragma unroll
+    for (int o = 1; o < kGroup; o <<= 1) {
+        const uint64_t y = __shfl_xor_sync(0xffffffffu, mx, o);
+        mx = y > mx ? y : mx;
+    }
+    const int threads_used = (n + per - 1) / per;
+    const int groups = (threads_used + kGroup - 1) / kGroup; /* > room: n > room x per x kGroup */
+    if ((int)threadIdx.x % kGroup == 0 && (int)threadIdx.x / kGroup < groups)
+        keys[threadIdx.x / kGroup] = mx;
+    __syncthreads();
+    sel_rank_write<THREADS>(keys, groups, room, sh);
+    __syncthreads();
+    const uint64_t bound = sh.prefix;
+    /* the keys >= bound, in block order: this thread's count, scanned */
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < kSelFilterPer; j++)
+        mine += (j < per && first + j < c1 && k[j] >= bound) ? 1 : 0;
+    int incl = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o)
+            incl += y;
+    }
+    if (lane == 31)
+        sh.wcount[warp] = incl;
+    __syncthreads(); /* the maxima are read: keys is free */
+    int pos = incl - mine, cands = 0;
+    for (int w = 0; w < kWarps; w++) {
+        pos += w < warp ? sh.wcount[w] : 0;
+        cands += sh.wcount[w];
+    }
+#pragma unroll
+    for (int j = 0; j < kSelFilterPer; j++)
+        if (j < per && first + j < c1 && k[j] >= bound)
+            keys[pos++] = k[j];
+    __syncthreads();
+    sel_rank_write<THREADS>(keys, cands, room, sh);
+    __syncthreads();
+    const uint64_t thr = sh.prefix;
+    /* the candidates at or above thr, ascending (cands <= 128 <= THREADS) */
+    const bool f = (int)threadIdx.x < cands && keys[threadIdx.x] >= thr;
+    const unsigned bal = __ballot_sync(0xffffffffu, f);
+    if (lane == 0)
+        sh.wcount[warp] = __popc(bal);
+    __syncthreads();
+    if (f) {
+        int at = __popc(bal & ((1u << lane) - 1u));
+        for (int w = 0; w < warp; w++)
+            at += sh.wcount[w];
+        out[at] = (int32_t)(uint32_t)keys[threadIdx.x];
+    }
+    __syncthreads(); /* hist, prefix and wcount are the caller's again */
+    return (int)room;
+}
+
+/* out[0..room) = the room best of candidates [c0, c1), ascending; returns
+ * how many were written (room, by construction). The filtered path where
+ * it fits, else the threshold and the compaction. */
+template <int THREADS>
+__device__ int sel_top(const float *sc, int c0, int c1, unsigned room, int32_t *out,
+                       SelSharedT<THREADS / 32> &sh) {
+    if (sel_filter_fits<THREADS>(c1 - c0, room))
+        return sel_top_filtered<THREADS>(sc, c0, c1, room, out, sh);
+    const uint64_t thr = sel_threshold<THREADS>(sc, c0, c1, room, sh);
+    return sel_compact<THREADS>(sc, c0, c1, thr, (int)room, out, sh);
 }
 
 } // namespace
