@@ -11,7 +11,9 @@
  *                an 8-bit radix select over 64-bit keys) then sel_compact;
  *   v2 sel_top   the filtered path where sel_filter_fits (the bound from
  *                the maxima of groups of candidates, at most 128 keys that
- *                reach it, ranked directly), else v1.
+ *                reach it, ranked directly; from kSelFilterMinPer
+ *                candidates a thread), else v1. The latency table times
+ *                the filtered path itself at every count (v2f).
  * Scores: few distinct values with NaN and -inf (ties), spread values, or
  * one value for every block. Then the latency of one selection (one CTA,
  * the selection repeated in a loop, the scores staged in shared memory as
@@ -62,6 +64,8 @@ __global__ void __launch_bounds__(THREADS)
     for (int r = 0; r < reps; r++) {
         if (V == 3) {
             sel_rank_write<THREADS>(reinterpret_cast<const uint64_t *>(sh.hist), m, room, sh);
+        } else if (V == 4) { /* the filtered path whatever the count (room x per fits) */
+            sel_top_filtered<THREADS>(st, 0, n, room, o, sh);
         } else if (V == 1) {
             const uint64_t thr = sel_threshold<THREADS>(st, 0, n, room, sh);
             sel_compact<THREADS>(st, 0, n, thr, (int)room, o, sh);
@@ -201,8 +205,10 @@ int main(int argc, char **argv) {
         return 2;
     }
     std::vector<Case> cases;
-    const int ns[] = {100, 129, 200, 255, 256, 257, 511, 512, 513, 700, 1000, 1023, 1024, 1025,
-                      2000, 4096};
+    /* the filtered path from 5 candidates a thread: 513-1,024 at 128
+     * threads, 2,049-4,096 at 512 (there only for rooms up to 4-6) */
+    const int ns[] = {100,  129,  200,  255,  256,  257,  511,  512,  513,  577,  640,
+                      700,  800,  960,  1000, 1023, 1024, 1025, 2000, 2049, 2600, 3000, 4096};
     const int rooms[] = {1, 2, 7, 15, 16, 31, 32, 63, 64, 127};
     for (int n : ns)
         for (int room : rooms)
@@ -212,9 +218,9 @@ int main(int argc, char **argv) {
     int bad = 0, filtered128 = 0, filtered512 = 0;
     for (const Case &c : cases) {
         const int p128 = (c.n + 127) / 128, p512 = (c.n + 511) / 512;
-        filtered128 += c.n > 128 && p128 >= M3_SEL_FILTER_MIN_PER && p128 <= kSelFilterPer &&
+        filtered128 += c.n > 128 && p128 >= kSelFilterMinPer && p128 <= kSelFilterPer &&
                        c.room * p128 <= 128;
-        filtered512 += c.n > 128 && p512 >= M3_SEL_FILTER_MIN_PER && p512 <= kSelFilterPer &&
+        filtered512 += c.n > 128 && p512 >= kSelFilterMinPer && p512 <= kSelFilterPer &&
                        c.room * p512 * 4 <= 128;
     }
     for (int v = 1; v <= 2; v++) {
@@ -226,13 +232,13 @@ int main(int argc, char **argv) {
            cases.size(), filtered128, filtered512, bad ? "FAILED" : "all exact");
     if (check_only)
         return bad ? 1 : 0;
-    printf("\n| threads | candidates | room | v1 radix ns | v2 sel_top ns |\n"
-           "|---|---|---|---|---|\n");
+    printf("\n| threads | candidates | room | v1 radix ns | v2 sel_top ns | v2f filtered ns |\n"
+           "|---|---|---|---|---|---|\n");
     for (int n : {129, 255, 383, 511, 639, 767, 895, 1023}) {
-        printf("| 128 | %d | 15 | %.0f | %.0f |\n", n, latency_ns<128, 1>(n, 15),
-               latency_ns<128, 2>(n, 15));
-        printf("| 512 | %d | 15 | %.0f | %.0f |\n", n, latency_ns<512, 1>(n, 15),
-               latency_ns<512, 2>(n, 15));
+        printf("| 128 | %d | 15 | %.0f | %.0f | %.0f |\n", n, latency_ns<128, 1>(n, 15),
+               latency_ns<128, 2>(n, 15), latency_ns<128, 4>(n, 15));
+        printf("| 512 | %d | 15 | %.0f | %.0f | %.0f |\n", n, latency_ns<512, 1>(n, 15),
+               latency_ns<512, 2>(n, 15), latency_ns<512, 4>(n, 15));
     }
     /* a part of v2: one rank of m keys by m threads (the keys in place) */
     printf("\n| threads | keys ranked | rank ns |\n|---|---|---|\n");

@@ -353,7 +353,7 @@ namespace {
 
 template <int WARPS>
 struct SelSharedT {
-    alignas(16) unsigned hist[256]; /* 16: sel_rank_write may read key pairs */
+    unsigned hist[256];
     unsigned long long prefix;
     unsigned k;
     int done;
@@ -409,45 +409,6 @@ __device__ void sel_find_digit(SelSharedT<WARPS> &sh, int shift) {
     }
 }
 
-/* M3_SEL_RANK_PAIRS=1 (a build switch, off): sel_rank_write reads the keys
- * two at a time (16-byte shared loads) into two counts, half the loads and
- * two add chains instead of one (docs/PERF.md, fifty-first session) */
-#ifndef M3_SEL_RANK_PAIRS
-#define M3_SEL_RANK_PAIRS 0
-#endif
-
-/* Thread x < n of THREADS: the key of keys[0..n) (shared memory, 16-byte
- * aligned) with exactly room - 1 keys above it, written to sh.prefix (keys
- * are distinct, so exactly one thread writes). The caller's barrier makes
- * it visible. */
-template <int THREADS>
-__device__ __forceinline__ void sel_rank_write(const uint64_t *keys, int n, unsigned room,
-                                               SelSharedT<THREADS / 32> &sh) {
-    if ((int)threadIdx.x < n) {
-        const uint64_t key = keys[threadIdx.x];
-        unsigned above = 0;
-#if M3_SEL_RANK_PAIRS
-        const ulonglong2 *pairs = reinterpret_cast<const ulonglong2 *>(keys);
-        unsigned above_odd = 0;
-        int j = 0;
-#pragma unroll 4
-        for (; j + 1 < n; j += 2) {
-            const ulonglong2 p = pairs[j >> 1];
-            above += p.x > key;
-            above_odd += p.y > key;
-        }
-        if (j < n)
-            above += keys[j] > key;
-        above += above_odd;
-#else
-        for (int j = 0; j < n; j++)
-            above += keys[j] > key;
-#endif
-        if (above == room - 1u)
-            sh.prefix = key;
-    }
-}
-
 /* Up to 128 candidates (every context up to 16K tokens): each thread ranks
  * its candidate's key against all of them (keys are distinct, so exactly
  * one has rank room - 1) and that key is the threshold. Two barriers and n
@@ -459,10 +420,17 @@ __device__ uint64_t sel_threshold_small(const float *sc, int c0, int n, unsigned
                                         SelSharedT<THREADS / 32> &sh) {
     static_assert(sizeof(sh.hist) >= 128 * sizeof(uint64_t), "the keys live in hist");
     uint64_t *keys = reinterpret_cast<uint64_t *>(sh.hist);
+    uint64_t key = 0;
     for (int i = threadIdx.x; i < n; i += THREADS) /* one round: n <= 128 <= THREADS */
-        keys[i] = sel_key(sc[c0 + i], c0 + i);
+        keys[i] = key = sel_key(sc[c0 + i], c0 + i);
     __syncthreads();
-    sel_rank_write<THREADS>(keys, n, room, sh);
+    if ((int)threadIdx.x < n) {
+        unsigned above = 0;
+        for (int j = 0; j < n; j++)
+            above += keys[j] > key;
+        if (above == room - 1u)
+            sh.prefix = key;
+    }
     __syncthreads();
     const uint64_t thr = sh.prefix;
     __syncthreads(); /* hist (the keys) and prefix are the caller's again */
@@ -548,14 +516,30 @@ __device__ int sel_compact(const float *sc, int c0, int c1, uint64_t thr, int ro
     return run < room ? run : room;
 }
 
-/* Candidates a thread holds in registers on sel_top's filtered path */
+/* Candidates a thread holds on sel_top's filtered path: at most
+ * kSelFilterPer (registers), at least kSelFilterMinPer. The filtered path
+ * costs ~3.5-3.9 µs at 128 threads whatever the count (one rank of 128
+ * keys is 0.8 of it), the radix select 1.7 µs over 129 candidates and 6.7
+ * over 1,023: dev/cuda/select_top.cu put the crossing between 4 and 5 a
+ * thread (H100, docs/PERF.md, fifty-first session). */
 constexpr int kSelFilterPer = 8;
+constexpr int kSelFilterMinPer = 5;
 
-/* M3_SEL_FILTER_MIN_PER=p (a build switch): the filtered path only from p
- * candidates a thread (below, the radix select's passes are cheaper) */
-#ifndef M3_SEL_FILTER_MIN_PER
-#define M3_SEL_FILTER_MIN_PER 1
-#endif
+/* Thread x < n of THREADS: the key of keys[0..n) with exactly room - 1
+ * keys above it, written to sh.prefix (keys are distinct, so exactly one
+ * thread writes). The caller's barrier makes it visible. */
+template <int THREADS>
+__device__ __forceinline__ void sel_rank_write(const uint64_t *keys, int n, unsigned room,
+                                               SelSharedT<THREADS / 32> &sh) {
+    if ((int)threadIdx.x < n) {
+        const uint64_t key = keys[threadIdx.x];
+        unsigned above = 0;
+        for (int j = 0; j < n; j++)
+            above += keys[j] > key;
+        if (above == room - 1u)
+            sh.prefix = key;
+    }
+}
 
 /* Can sel_top take the filtered path? Blocks go to threads in contiguous
  * runs of per = ceil(n / THREADS) and a group is THREADS / 128 threads, so
@@ -568,7 +552,7 @@ template <int THREADS>
 __device__ __forceinline__ bool sel_filter_fits(int n, unsigned room) {
     static_assert(THREADS % 128 == 0, "groups of THREADS / 128 threads");
     const int per = (n + THREADS - 1) / THREADS;
-    return n > 128 && per >= M3_SEL_FILTER_MIN_PER && per <= kSelFilterPer && room >= 1u &&
+    return n > 128 && per >= kSelFilterMinPer && per <= kSelFilterPer && room >= 1u &&
            (int)room < n && (long)room * per * (THREADS / 128) <= 128;
 }
 
