@@ -340,10 +340,10 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 
 /* ---- exact top-k block selection (m3_select_row's total order) ----
  * One CTA of THREADS threads selects the `room` best of candidate blocks
- * [c0, c1) by score (sel_top): where the room is small against the
- * candidates (M3's 15 of up to 1,024 at 128 threads), the keys that can
- * reach the room are filtered to at most 128 and ranked directly
- * (sel_top_filtered); else the threshold key (sel_threshold: a direct rank
+ * [c0, c1) by score (sel_top): from five candidates a thread, where the
+ * room is small against them (M3's 15 of 513-1,024 at 128 threads), the
+ * keys that can reach the room are filtered to at most 128 and ranked
+ * directly (sel_top_filtered); else the threshold key (sel_threshold: a direct rank
  * of up to 128 candidates, else a radix select over 64-bit keys), then the
  * selected ids in ascending order (sel_compact). The stock select
  * kernel (cuda_index.cu) and the mono selection item (cuda_mono_attn.cuh)
