@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#define M3_SEL_FILTER 1           /* the filtered path, whatever the library's default */
 #include "cuda/cuda_async.cuh" /* sel_threshold, sel_compact, sel_top */
 #include "dev_util.h"          /* DEV_CK, DevRng, dev_median */
 

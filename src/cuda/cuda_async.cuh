@@ -340,15 +340,17 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 
 /* ---- exact top-k block selection (m3_select_row's total order) ----
  * One CTA of THREADS threads selects the `room` best of candidate blocks
- * [c0, c1) by score (sel_top): from five candidates a thread, where the
- * room is small against them (M3's 15 of 513-1,024 at 128 threads), the
- * keys that can reach the room are filtered to at most 128 and ranked
- * directly (sel_top_filtered); else the threshold key (sel_threshold: a direct rank
- * of up to 128 candidates, else a radix select over 64-bit keys), then the
- * selected ids in ascending order (sel_compact). The stock select
- * kernel (cuda_index.cu) and the mono selection item (cuda_mono_attn.cuh)
- * run this code with their own CTA sizes; dev/cuda/select_top.cu checks
- * both sizes against a host reference and times them. */
+ * [c0, c1) by score: the threshold key (sel_threshold: a direct rank of up
+ * to 128 candidates, else a radix select over 64-bit keys), then the
+ * selected ids in ascending order (sel_compact). In a build with
+ * M3_SEL_FILTER=1 (off by default until gpu-check has run it), from five
+ * candidates a thread where the room is small against them (M3's 15 of
+ * 513-1,024 at 128 threads), the keys that can reach the room are instead
+ * filtered to at most 128 and ranked directly (sel_top_filtered; sel_top
+ * picks the path). The stock select kernel (cuda_index.cu) and the mono
+ * selection item (cuda_mono_attn.cuh, both paths) run this code with their
+ * own CTA sizes; dev/cuda/select_top.cu checks both sizes and both paths
+ * against a host reference and times them. */
 namespace {
 
 template <int WARPS>
@@ -525,6 +527,12 @@ __device__ int sel_compact(const float *sc, int c0, int c1, uint64_t thr, int ro
 constexpr int kSelFilterPer = 8;
 constexpr int kSelFilterMinPer = 5;
 
+/* M3_SEL_FILTER=1 (a build switch, 0 by default until gpu-check has run
+ * it: docs/PERF.md, fifty-first session) turns the filtered path on */
+#ifndef M3_SEL_FILTER
+#define M3_SEL_FILTER 0
+#endif
+
 /* Thread x < n of THREADS: the key of keys[0..n) with exactly room - 1
  * keys above it, written to sh.prefix (keys are distinct, so exactly one
  * thread writes). The caller's barrier makes it visible. */
@@ -552,8 +560,8 @@ template <int THREADS>
 __device__ __forceinline__ bool sel_filter_fits(int n, unsigned room) {
     static_assert(THREADS % 128 == 0, "groups of THREADS / 128 threads");
     const int per = (n + THREADS - 1) / THREADS;
-    return n > 128 && per >= kSelFilterMinPer && per <= kSelFilterPer && room >= 1u &&
-           (int)room < n && (long)room * per * (THREADS / 128) <= 128;
+    return M3_SEL_FILTER && n > 128 && per >= kSelFilterMinPer && per <= kSelFilterPer &&
+           room >= 1u && (int)room < n && (long)room * per * (THREADS / 128) <= 128;
 }
 
 /* sel_top's filtered path (sel_filter_fits): the bound from the group

@@ -218,8 +218,9 @@ __global__ void __launch_bounds__(kSelThreads) select_kernel(SelectArgs a) {
         sc = st;
     }
     if (room > 0) {
-        int got = sel_top<kSelThreads>(sc, init_end, local_begin, (unsigned)room, out + init_end,
-                                       sh);
+        uint64_t thr = sel_threshold<kSelThreads>(sc, init_end, local_begin, (unsigned)room, sh);
+        int got =
+            sel_compact<kSelThreads>(sc, init_end, local_begin, thr, room, out + init_end, sh);
         for (int i = got + threadIdx.x; i < room; i += kSelThreads) /* unreachable */
             out[init_end + i] = -1;
     }
