@@ -37,22 +37,16 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p) {
  * copies (cp_async16_pol), as ldg16_na_pol's PF_BYTES for the MMA linear.
  * There a warp's load already asks for 512 contiguous bytes of a row, yet
  * the mono layer took 1-2% less time at 2-4 rows with it (docs/PERF.md,
- * fiftieth session). M3_PAGE_PF_BYTES (0 by default; prepared, not yet
- * run) is the same for the cache pages' copies (cp_async16_pol_s: the
- * index keys of the stock and CP scorers and the mono index items, the
- * mono attention's K and V blocks), whose rows are 256 contiguous bytes. */
+ * fiftieth session). The cache pages' copies (cp_async16_pol_s: the index
+ * keys, the mono attention's K and V blocks; rows of 256 contiguous bytes)
+ * take none: 256 there ran level in both layers (fifty-first session). */
 #ifndef M3_W_PF_BYTES
 #define M3_W_PF_BYTES 256
 #endif
-#ifndef M3_PAGE_PF_BYTES
-#define M3_PAGE_PF_BYTES 0
-#endif
-#if (M3_W_PF_BYTES != 0 && M3_W_PF_BYTES != 128 && M3_W_PF_BYTES != 256) || \
-    (M3_PAGE_PF_BYTES != 0 && M3_PAGE_PF_BYTES != 128 && M3_PAGE_PF_BYTES != 256)
-#error "M3_W_PF_BYTES and M3_PAGE_PF_BYTES: 0, 128 or 256"
+#if M3_W_PF_BYTES != 0 && M3_W_PF_BYTES != 128 && M3_W_PF_BYTES != 256
+#error "M3_W_PF_BYTES: 0, 128 or 256"
 #endif
 #define M3_W_PF M3_PF_QUAL(M3_W_PF_BYTES)
-#define M3_PAGE_PF M3_PF_QUAL(M3_PAGE_PF_BYTES)
 
 /* 16 bytes global -> shared, bypassing L1; with fill false the 16 bytes are
  * zeroed and nothing is read. */
@@ -97,8 +91,7 @@ __device__ __forceinline__ void cp_async16_pol(void *dst, const void *src, bool 
  * base through a shuffle (idx_copy_page): ptxas then keeps the address in
  * a per-thread register and the LDGSTS is well formed. */
 __device__ __forceinline__ void cp_async16_pol_s(uint32_t dst_s, const void *src, uint64_t pol) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint" M3_PAGE_PF
-                 " [%0], [%1], 16, %2;\n" ::"r"(dst_s),
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst_s),
                  "l"(src), "l"(pol)
                  : "memory");
 }
@@ -349,9 +342,15 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
  * One CTA of THREADS threads selects the `room` best of candidate blocks
  * [c0, c1) by score: the threshold key (sel_threshold: a direct rank of up
  * to 128 candidates, else a radix select over 64-bit keys), then the
- * selected ids in ascending order (sel_compact). The stock select
- * kernel (cuda_index.cu) and the mono selection item (cuda_mono_attn.cuh)
- * run this code with their own CTA sizes. */
+ * selected ids in ascending order (sel_compact). In a build with
+ * M3_SEL_FILTER=1 (off by default until gpu-check has run it), from five
+ * candidates a thread where the room is small against them (M3's 15 of
+ * 513-1,024 at 128 threads), the keys that can reach the room are instead
+ * filtered to at most 128 and ranked directly (sel_top_filtered; sel_top
+ * picks the path). The stock select kernel (cuda_index.cu) and the mono
+ * selection item (cuda_mono_attn.cuh, both paths) run this code with their
+ * own CTA sizes; dev/cuda/select_top.cu checks both sizes and both paths
+ * against a host reference and times them. */
 namespace {
 
 template <int WARPS>
@@ -517,6 +516,146 @@ __device__ int sel_compact(const float *sc, int c0, int c1, uint64_t thr, int ro
         __syncthreads(); /* wcount is rewritten next round */
     }
     return run < room ? run : room;
+}
+
+/* Candidates a thread holds on sel_top's filtered path: at most
+ * kSelFilterPer (registers), at least kSelFilterMinPer. The filtered path
+ * costs ~3.5-3.9 µs at 128 threads whatever the count (one rank of 128
+ * keys is 0.8 of it), the radix select 1.7 µs over 129 candidates and 6.7
+ * over 1,023: dev/cuda/select_top.cu put the crossing between 4 and 5 a
+ * thread (H100, docs/PERF.md, fifty-first session). */
+constexpr int kSelFilterPer = 8;
+constexpr int kSelFilterMinPer = 5;
+
+/* M3_SEL_FILTER=1 (a build switch, 0 by default until gpu-check has run
+ * it: docs/PERF.md, fifty-first session) turns the filtered path on */
+#ifndef M3_SEL_FILTER
+#define M3_SEL_FILTER 0
+#endif
+
+/* Thread x < n of THREADS: the key of keys[0..n) with exactly room - 1
+ * keys above it, written to sh.prefix (keys are distinct, so exactly one
+ * thread writes). The caller's barrier makes it visible. */
+template <int THREADS>
+__device__ __forceinline__ void sel_rank_write(const uint64_t *keys, int n, unsigned room,
+                                               SelSharedT<THREADS / 32> &sh) {
+    if ((int)threadIdx.x < n) {
+        const uint64_t key = keys[threadIdx.x];
+        unsigned above = 0;
+        for (int j = 0; j < n; j++)
+            above += keys[j] > key;
+        if (above == room - 1u)
+            sh.prefix = key;
+    }
+}
+
+/* Can sel_top take the filtered path? Blocks go to threads in contiguous
+ * runs of per = ceil(n / THREADS) and a group is THREADS / 128 threads, so
+ * there are at most 128 group maxima; the room-th largest of them is a
+ * lower bound of the room-th largest key (room distinct keys reach it),
+ * and only the room groups at or above it hold keys that reach it: at
+ * most room x per x group keys, which must fit the 128 keys of sh.hist.
+ * CTA-uniform. */
+template <int THREADS>
+__device__ __forceinline__ bool sel_filter_fits(int n, unsigned room) {
+    static_assert(THREADS % 128 == 0, "groups of THREADS / 128 threads");
+    const int per = (n + THREADS - 1) / THREADS;
+    return M3_SEL_FILTER && n > 128 && per >= kSelFilterMinPer && per <= kSelFilterPer &&
+           room >= 1u && (int)room < n && (long)room * per * (THREADS / 128) <= 128;
+}
+
+/* sel_top's filtered path (sel_filter_fits): the bound from the group
+ * maxima, the keys that reach it compacted in block order (at most 128),
+ * the exact threshold ranked among them, the selected ids written
+ * ascending. Six barriers and two ranks over at most 128 keys, where the
+ * radix select over 1,024 candidates takes four or more passes of three
+ * barriers and the compaction two barriers a round of THREADS candidates
+ * (the selection item 9.4 µs at 128K, the thirty-second session). */
+template <int THREADS>
+__device__ int sel_top_filtered(const float *sc, int c0, int c1, unsigned room, int32_t *out,
+                                SelSharedT<THREADS / 32> &sh) {
+    constexpr int kGroup = THREADS / 128, kWarps = THREADS / 32;
+    uint64_t *keys = reinterpret_cast<uint64_t *>(sh.hist);
+    const int n = c1 - c0, per = (n + THREADS - 1) / THREADS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = c0 + (int)threadIdx.x * per;
+    uint64_t k[kSelFilterPer], mx = 0;
+#pragma unroll
+    for (int j = 0; j < kSelFilterPer; j++) {
+        k[j] = 0;
+        if (j < per && first + j < c1) {
+            k[j] = sel_key(sc[first + j], first + j);
+            mx = k[j] > mx ? k[j] : mx;
+        }
+    }
+    /* the group's maximum (a group's first thread holds keys when any does) */
+#pragma unroll
+    for (int o = 1; o < kGroup; o <<= 1) {
+        const uint64_t y = __shfl_xor_sync(0xffffffffu, mx, o);
+        mx = y > mx ? y : mx;
+    }
+    const int threads_used = (n + per - 1) / per;
+    const int groups = (threads_used + kGroup - 1) / kGroup; /* > room: n > room x per x kGroup */
+    if ((int)threadIdx.x % kGroup == 0 && (int)threadIdx.x / kGroup < groups)
+        keys[threadIdx.x / kGroup] = mx;
+    __syncthreads();
+    sel_rank_write<THREADS>(keys, groups, room, sh);
+    __syncthreads();
+    const uint64_t bound = sh.prefix;
+    /* the keys >= bound, in block order: this thread's count, scanned */
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < kSelFilterPer; j++)
+        mine += (j < per && first + j < c1 && k[j] >= bound) ? 1 : 0;
+    int incl = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o)
+            incl += y;
+    }
+    if (lane == 31)
+        sh.wcount[warp] = incl;
+    __syncthreads(); /* the maxima are read: keys is free */
+    int pos = incl - mine, cands = 0;
+    for (int w = 0; w < kWarps; w++) {
+        pos += w < warp ? sh.wcount[w] : 0;
+        cands += sh.wcount[w];
+    }
+#pragma unroll
+    for (int j = 0; j < kSelFilterPer; j++)
+        if (j < per && first + j < c1 && k[j] >= bound)
+            keys[pos++] = k[j];
+    __syncthreads();
+    sel_rank_write<THREADS>(keys, cands, room, sh);
+    __syncthreads();
+    const uint64_t thr = sh.prefix;
+    /* the candidates at or above thr, ascending (cands <= 128 <= THREADS) */
+    const bool f = (int)threadIdx.x < cands && keys[threadIdx.x] >= thr;
+    const unsigned bal = __ballot_sync(0xffffffffu, f);
+    if (lane == 0)
+        sh.wcount[warp] = __popc(bal);
+    __syncthreads();
+    if (f) {
+        int at = __popc(bal & ((1u << lane) - 1u));
+        for (int w = 0; w < warp; w++)
+            at += sh.wcount[w];
+        out[at] = (int32_t)(uint32_t)keys[threadIdx.x];
+    }
+    __syncthreads(); /* hist, prefix and wcount are the caller's again */
+    return (int)room;
+}
+
+/* out[0..room) = the room best of candidates [c0, c1), ascending; returns
+ * how many were written (room, by construction). The filtered path where
+ * it fits, else the threshold and the compaction. */
+template <int THREADS>
+__device__ int sel_top(const float *sc, int c0, int c1, unsigned room, int32_t *out,
+                       SelSharedT<THREADS / 32> &sh) {
+    if (sel_filter_fits<THREADS>(c1 - c0, room))
+        return sel_top_filtered<THREADS>(sc, c0, c1, room, out, sh);
+    const uint64_t thr = sel_threshold<THREADS>(sc, c0, c1, room, sh);
+    return sel_compact<THREADS>(sc, c0, c1, thr, (int)room, out, sh);
 }
 
 } // namespace

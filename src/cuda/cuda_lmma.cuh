@@ -47,10 +47,11 @@
 /* The weight loads ask L2 for 256 bytes of a row at a time (ldg16_na_pol's
  * PF_BYTES) at 1-16 rows: 1-22% less time for most of the linear's shapes,
  * the 16-row lm_head 15% less (a load is 64 bytes of each of 8 rows, a
- * stage 192). At 17-32 rows (M3_LINEAR_MMA_ROWS=32 only) 256 was mixed,
- * −9% to +15% by shape, so that class takes M3_LMMA_PF_WIDE: 0 (none) by
- * default; 128 is a prepared experiment, not yet run (docs/PERF.md,
- * fiftieth session). */
+ * stage 192). At 17-32 rows (M3_LINEAR_MMA_ROWS=32 only) a stage is two
+ * pieces, 128 bytes of a row: 256 was mixed there, −9% to +15% by shape
+ * (fiftieth session), 128 took 0.6-3.3% off every shape (fifty-first):
+ * M3_LMMA_PF_WIDE stays 0 (none) by default until gpu-check's tests have
+ * run it (128 or 256 by hand). */
 #ifndef M3_LMMA_PF_WIDE
 #define M3_LMMA_PF_WIDE 0
 #endif

@@ -200,6 +200,11 @@ def check_gpu_ab(work):
     if built != ["new"] or "| sw 1 (HEAD -DM3_SWITCH=8) | 100.0 |" not in \
             open(os.path.join(out_dir, "ab.md")).read():
         fail("gpu-ab prebuild: built %s on the device, expected new only" % built)
+    # prebuild again: base and sw are up to date (kept), new (changed) is built
+    log = sh(["scripts/gpu-ab", "prebuild"], repo, dict(env, TMPDIR=work))
+    kept = sorted(l.split()[1].rstrip(":") for l in log.splitlines() if l.endswith("is up to date"))
+    if kept != ["base", "sw"] or "building new's m3" not in log:
+        fail("gpu-ab prebuild again: kept %s, expected base and sw, new built\n%s" % (kept, log))
 
 
 def check_cuda_configs(m3, work, quick):
