@@ -579,11 +579,12 @@ __device__ int sel_top_filtered(const float *sc, int c0, int c1, unsigned room, 
     const int n = c1 - c0, per = (n + THREADS - 1) / THREADS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first = c0 + (int)threadIdx.x * per;
+    const int cnt = min(max(c1 - first, 0), per); /* this thread's candidates */
     uint64_t k[kSelFilterPer], mx = 0;
 #pragma unroll
     for (int j = 0; j < kSelFilterPer; j++) {
         k[j] = 0;
-        if (j < per && first + j < c1) {
+        if (j < cnt) {
             k[j] = sel_key(sc[first + j], first + j);
             mx = k[j] > mx ? k[j] : mx;
         }
@@ -606,7 +607,7 @@ __device__ int sel_top_filtered(const float *sc, int c0, int c1, unsigned room, 
     int mine = 0;
 #pragma unroll
     for (int j = 0; j < kSelFilterPer; j++)
-        mine += (j < per && first + j < c1 && k[j] >= bound) ? 1 : 0;
+        mine += (j < cnt && k[j] >= bound) ? 1 : 0;
     int incl = mine;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -624,7 +625,7 @@ __device__ int sel_top_filtered(const float *sc, int c0, int c1, unsigned room, 
     }
 #pragma unroll
     for (int j = 0; j < kSelFilterPer; j++)
-        if (j < per && first + j < c1 && k[j] >= bound)
+        if (j < cnt && k[j] >= bound)
             keys[pos++] = k[j];
     __syncthreads();
     sel_rank_write<THREADS>(keys, cands, room, sh);
