@@ -411,6 +411,23 @@ __device__ void sel_find_digit(SelSharedT<WARPS> &sh, int shift) {
     }
 }
 
+/* Thread x < n of THREADS ranks `key`, its own keys[x], against keys[0..n)
+ * and writes the one with exactly room - 1 keys above it to sh.prefix
+ * (keys are distinct, so exactly one thread writes); the caller's barrier
+ * makes it visible. The key comes in a register: a caller that built it
+ * need not read it back. */
+template <int THREADS>
+__device__ __forceinline__ void sel_rank_write(const uint64_t *keys, int n, unsigned room,
+                                               uint64_t key, SelSharedT<THREADS / 32> &sh) {
+    if ((int)threadIdx.x < n) {
+        unsigned above = 0;
+        for (int j = 0; j < n; j++)
+            above += keys[j] > key;
+        if (above == room - 1u)
+            sh.prefix = key;
+    }
+}
+
 /* Up to 128 candidates (every context up to 16K tokens): each thread ranks
  * its candidate's key against all of them (keys are distinct, so exactly
  * one has rank room - 1) and that key is the threshold. Two barriers and n
@@ -426,13 +443,7 @@ __device__ uint64_t sel_threshold_small(const float *sc, int c0, int n, unsigned
     for (int i = threadIdx.x; i < n; i += THREADS) /* one round: n <= 128 <= THREADS */
         keys[i] = key = sel_key(sc[c0 + i], c0 + i);
     __syncthreads();
-    if ((int)threadIdx.x < n) {
-        unsigned above = 0;
-        for (int j = 0; j < n; j++)
-            above += keys[j] > key;
-        if (above == room - 1u)
-            sh.prefix = key;
-    }
+    sel_rank_write<THREADS>(keys, n, room, key, sh);
     __syncthreads();
     const uint64_t thr = sh.prefix;
     __syncthreads(); /* hist (the keys) and prefix are the caller's again */
@@ -533,22 +544,6 @@ constexpr int kSelFilterMinPer = 5;
 #define M3_SEL_FILTER 0
 #endif
 
-/* Thread x < n of THREADS: the key of keys[0..n) with exactly room - 1
- * keys above it, written to sh.prefix (keys are distinct, so exactly one
- * thread writes). The caller's barrier makes it visible. */
-template <int THREADS>
-__device__ __forceinline__ void sel_rank_write(const uint64_t *keys, int n, unsigned room,
-                                               SelSharedT<THREADS / 32> &sh) {
-    if ((int)threadIdx.x < n) {
-        const uint64_t key = keys[threadIdx.x];
-        unsigned above = 0;
-        for (int j = 0; j < n; j++)
-            above += keys[j] > key;
-        if (above == room - 1u)
-            sh.prefix = key;
-    }
-}
-
 /* Can sel_top take the filtered path? Blocks go to threads in contiguous
  * runs of per = ceil(n / THREADS) and a group is THREADS / 128 threads, so
  * there are at most 128 group maxima; the room-th largest of them is a
@@ -600,7 +595,8 @@ __device__ int sel_top_filtered(const float *sc, int c0, int c1, unsigned room, 
     if ((int)threadIdx.x % kGroup == 0 && (int)threadIdx.x / kGroup < groups)
         keys[threadIdx.x / kGroup] = mx;
     __syncthreads();
-    sel_rank_write<THREADS>(keys, groups, room, sh);
+    sel_rank_write<THREADS>(keys, groups, room,
+                            (int)threadIdx.x < groups ? keys[threadIdx.x] : 0ull, sh);
     __syncthreads();
     const uint64_t bound = sh.prefix;
     /* the keys >= bound, in block order: this thread's count, scanned */
@@ -628,7 +624,8 @@ __device__ int sel_top_filtered(const float *sc, int c0, int c1, unsigned room, 
         if (j < cnt && k[j] >= bound)
             keys[pos++] = k[j];
     __syncthreads();
-    sel_rank_write<THREADS>(keys, cands, room, sh);
+    sel_rank_write<THREADS>(keys, cands, room,
+                            (int)threadIdx.x < cands ? keys[threadIdx.x] : 0ull, sh);
     __syncthreads();
     const uint64_t thr = sh.prefix;
     /* the candidates at or above thr, ascending (cands <= 128 <= THREADS) */
@@ -647,15 +644,27 @@ __device__ int sel_top_filtered(const float *sc, int c0, int c1, unsigned room, 
     return (int)room;
 }
 
+/* A no-op for sel_top's hook. */
+struct SelNoMark {
+    __device__ void operator()() const {}
+};
+
 /* out[0..room) = the room best of candidates [c0, c1), ascending; returns
  * how many were written (room, by construction). The filtered path where
- * it fits, else the threshold and the compaction. */
-template <int THREADS>
-__device__ int sel_top(const float *sc, int c0, int c1, unsigned room, int32_t *out,
-                       SelSharedT<THREADS / 32> &sh) {
-    if (sel_filter_fits<THREADS>(c1 - c0, room))
-        return sel_top_filtered<THREADS>(sc, c0, c1, room, out, sh);
+ * it fits, else the threshold and the compaction. at_threshold() runs
+ * once between the two (after the filtered path: it has no such point),
+ * for the mono item's trace marks. */
+template <int THREADS, typename Mark = SelNoMark>
+__device__ __forceinline__ int sel_top(const float *sc, int c0, int c1, unsigned room,
+                                       int32_t *out, SelSharedT<THREADS / 32> &sh,
+                                       Mark at_threshold = Mark()) {
+    if (sel_filter_fits<THREADS>(c1 - c0, room)) {
+        const int got = sel_top_filtered<THREADS>(sc, c0, c1, room, out, sh);
+        at_threshold();
+        return got;
+    }
     const uint64_t thr = sel_threshold<THREADS>(sc, c0, c1, room, sh);
+    at_threshold();
     return sel_compact<THREADS>(sc, c0, c1, thr, (int)room, out, sh);
 }
 

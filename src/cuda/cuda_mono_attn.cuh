@@ -38,16 +38,9 @@ __device__ void select_one(const MonoArgs &a, unsigned char *dsm, int t, int ite
     }
     mark(); /* selection: the scores staged */
     if (room > 0) {
-        int got;
-        if (sel_filter_fits<kThreads>(local_begin - init_end, (unsigned)room)) {
-            got = sel_top_filtered<kThreads>(sc, init_end, local_begin, (unsigned)room,
-                                             out + init_end, sh);
-            mark(); /* selection: the threshold (here with the ids: the filtered path) */
-        } else {
-            uint64_t thr = sel_threshold<kThreads>(sc, init_end, local_begin, (unsigned)room, sh);
-            mark(); /* selection: the threshold */
-            got = sel_compact<kThreads>(sc, init_end, local_begin, thr, room, out + init_end, sh);
-        }
+        /* mark: the threshold (on the filtered path, with the ids) */
+        const int got = sel_top<kThreads>(sc, init_end, local_begin, (unsigned)room,
+                                          out + init_end, sh, [] { mark(); });
         mark(); /* selection: the ids compacted */
         for (int i = got + threadIdx.x; i < room; i += kThreads)
             out[init_end + i] = -1;
