@@ -12,6 +12,12 @@
   every build's `bench linear` at M3_LINEAR_MMA_ROWS=32; after `prebuild`,
   `run` times the kept binaries and builds only a tree changed since.
 
+- scripts/gpu-check's dev_tool with stand-in nvcc and compute-sanitizer
+  (the `select` and `cublasinit` stages): the tool's table and the
+  sanitizer's findings land in NAME.md, an error fails `select` but not
+  `cublasinit` (SANITIZE_REPORT_ONLY), the binary is removed, and
+  NVCC_LIBS reaches the link.
+
 - tests/gpu/cuda_configs.py with `--device cpu` (the CPU engine on both
   sides: every check passes, a mono refusal counts as a pass) and its
   comparison rule on made-up logits: equal tokens within the bound pass, a
@@ -206,6 +212,67 @@ def check_gpu_ab(work):
     if kept != ["base", "sw"] or "building new's m3" not in log:
         fail("gpu-ab prebuild again: kept %s, expected base and sw, new built\n%s" % (kept, log))
 
+# stand-ins for gpu-check's dev_tool: nvcc writes a "binary" that prints a
+# table and records its link flags; compute-sanitizer prints one finding
+# and honours --error-exitcode as the real one does
+FAKE_NVCC = """#!/bin/sh
+out=""; prev=""; libs=""
+for a in "$@"; do [ "$prev" = -o ] && out=$a; case $a in -l*) libs="$libs $a";; esac; prev=$a; done
+printf '#!/bin/sh\necho "| table of %s |"\n' "$out" >"$out"; chmod +x "$out"
+[ -n "$out" ] && echo "$(basename "$out"):$libs" >>"$OUT/nvcc_libs.txt"
+"""
+FAKE_SANITIZER = """#!/bin/sh
+code=0; prev=""
+for a in "$@"; do [ "$prev" = --error-exitcode ] && code=$a; prev=$a; done
+echo "========= COMPUTE-SANITIZER"
+echo "========= Error: a hazard found by $2"
+echo "========= ERROR SUMMARY: 1 error"
+exit $code
+"""
+
+
+def check_gpu_check_dev_tool(work):
+    if not os.path.exists("/usr/include/cjson/cJSON.h"):
+        print("gpu-check dev_tool: skipped (no libcjson headers)")
+        return
+    repo = os.path.join(work, "gpucheck")
+    shutil.rmtree(repo, ignore_errors=True)
+    os.makedirs(os.path.join(repo, "scripts"))
+    os.makedirs(os.path.join(repo, "dev", "cuda"))
+    os.makedirs(os.path.join(repo, "bin"))
+    shutil.copy(os.path.join(ROOT, "scripts", "gpu-check"), os.path.join(repo, "scripts"))
+    for name, text in (("nvcc", FAKE_NVCC), ("compute-sanitizer", FAKE_SANITIZER)):
+        path = os.path.join(repo, "bin", name)
+        open(path, "w").write(text)
+        os.chmod(path, 0o755)
+    out = os.path.join(work, "gpucheck-out")
+    shutil.rmtree(out, ignore_errors=True)
+    env = dict(os.environ, OUT=out, GPU_CHECK_STAGES="select,cublasinit",
+               PATH=os.path.join(repo, "bin") + os.pathsep + os.environ["PATH"])
+    res = subprocess.run(["scripts/gpu-check"], cwd=repo, capture_output=True, text=True,
+                         timeout=120, env=env)
+    log = res.stdout + res.stderr
+    if res.returncode == 0 or "[FAILED] select" not in log or "[ok]     cublasinit" not in log:
+        fail("gpu-check dev_tool: want select failed (a sanitizer error) and cublasinit ok "
+             "(report only), got exit %d:\n%s" % (res.returncode, log))
+    for name, tools in (("select_top", ("memcheck", "racecheck")),
+                        ("initcheck_cublas", ("initcheck",))):
+        md = open(os.path.join(out, name + ".md")).read()
+        if "| table of %s/%s.bin |" % (out, name) not in md:
+            fail("gpu-check dev_tool: %s.md lacks the tool's table:\n%s" % (name, md))
+        for tool in tools:
+            if "a hazard found by %s" % tool not in md:
+                fail("gpu-check dev_tool: %s.md lacks %s's finding:\n%s" % (name, tool, md))
+            if not os.path.exists(os.path.join(out, "%s.%s.log" % (name, tool))):
+                fail("gpu-check dev_tool: no %s.%s.log" % (name, tool))
+        if os.path.exists(os.path.join(out, name + ".bin")):
+            fail("gpu-check dev_tool: %s.bin left in $OUT" % name)
+    libs = open(os.path.join(out, "nvcc_libs.txt")).read().splitlines()
+    if libs != ["select_top.bin:", "initcheck_cublas.bin: -lcublas"]:
+        fail("gpu-check dev_tool: want no libraries for select_top and -lcublas for "
+             "initcheck_cublas, got %r" % libs)
+    print("gpu-check dev_tool: tables, sanitizer findings, strict and report-only stages")
+
 
 def check_cuda_configs(m3, work, quick):
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
@@ -365,6 +432,7 @@ def main():
     check_mono_trace(args.work)
     check_queue_sim(args.work)
     check_gpu_ab(args.work)
+    check_gpu_check_dev_tool(args.work)
     check_sass_check(args.work)
     if args.m3:
         check_cuda_configs(os.path.abspath(args.m3), args.work, args.quick)
