@@ -16,7 +16,9 @@
   (the `select` and `cublasinit` stages): the tool's table and the
   sanitizer's findings land in NAME.md, an error fails `select` but not
   `cublasinit` (SANITIZE_REPORT_ONLY), the binary is removed, and
-  NVCC_LIBS reaches the link.
+  NVCC_LIBS reaches the link; its build stage (a stand-in cmake) gives
+  cmake CUDAFLAGS explicitly, empty when unset, so a reused build folder
+  does not keep an earlier run's switches from its cache.
 
 - tests/gpu/cuda_configs.py with `--device cpu` (the CPU engine on both
   sides: every check passes, a mono refusal counts as a pass) and its
@@ -231,7 +233,7 @@ exit $code
 """
 
 
-def check_gpu_check_dev_tool(work):
+def check_gpu_check(work):
     if not os.path.exists("/usr/include/cjson/cJSON.h"):
         print("gpu-check dev_tool: skipped (no libcjson headers)")
         return
@@ -241,7 +243,9 @@ def check_gpu_check_dev_tool(work):
     os.makedirs(os.path.join(repo, "dev", "cuda"))
     os.makedirs(os.path.join(repo, "bin"))
     shutil.copy(os.path.join(ROOT, "scripts", "gpu-check"), os.path.join(repo, "scripts"))
-    for name, text in (("nvcc", FAKE_NVCC), ("compute-sanitizer", FAKE_SANITIZER)):
+    fake_cmake = "#!/bin/sh\necho \"$*\" >>\"$OUT/cmake_args.txt\"\n"
+    for name, text in (("nvcc", FAKE_NVCC), ("compute-sanitizer", FAKE_SANITIZER),
+                       ("cmake", fake_cmake)):
         path = os.path.join(repo, "bin", name)
         open(path, "w").write(text)
         os.chmod(path, 0o755)
@@ -271,7 +275,22 @@ def check_gpu_check_dev_tool(work):
     if libs != ["select_top.bin:", "initcheck_cublas.bin: -lcublas"]:
         fail("gpu-check dev_tool: want no libraries for select_top and -lcublas for "
              "initcheck_cublas, got %r" % libs)
-    print("gpu-check dev_tool: tables, sanitizer findings, strict and report-only stages")
+    # the build stage twice in one folder: with a switch, then without
+    for flags in ("-DM3_X=1", None):
+        env = dict(os.environ, OUT=out, GPU_CHECK_STAGES="build",
+                   PATH=os.path.join(repo, "bin") + os.pathsep + os.environ["PATH"])
+        env.pop("CUDAFLAGS", None)
+        if flags:
+            env["CUDAFLAGS"] = flags
+        subprocess.run(["scripts/gpu-check"], cwd=repo, capture_output=True, text=True,
+                       timeout=120, env=env)
+    configs = [l for l in open(os.path.join(out, "cmake_args.txt")).read().splitlines()
+               if l.startswith("-S ")]
+    if (len(configs) != 2 or "-DCMAKE_CUDA_FLAGS=-DM3_X=1 " not in configs[0] + " "
+            or "-DCMAKE_CUDA_FLAGS= " not in configs[1] + " "):
+        fail("gpu-check build: want -DCMAKE_CUDA_FLAGS=-DM3_X=1, then empty, got %r" % configs)
+    print("gpu-check dev_tool: tables, sanitizer findings, strict and report-only stages; "
+          "build: CUDAFLAGS given to cmake")
 
 
 def check_cuda_configs(m3, work, quick):
@@ -432,7 +451,7 @@ def main():
     check_mono_trace(args.work)
     check_queue_sim(args.work)
     check_gpu_ab(args.work)
-    check_gpu_check_dev_tool(args.work)
+    check_gpu_check(args.work)
     check_sass_check(args.work)
     if args.m3:
         check_cuda_configs(os.path.abspath(args.m3), args.work, args.quick)
