@@ -565,10 +565,12 @@ __device__ __forceinline__ bool sel_filter_fits(int n, unsigned room) {
  * ascending. Six barriers and two ranks over at most 128 keys, where the
  * radix select over 1,024 candidates takes four or more passes of three
  * barriers and the compaction two barriers a round of THREADS candidates
- * (the selection item 9.4 µs at 128K, the thirty-second session). */
+ * (the selection item 9.4 µs at 128K, the thirty-second session). Out of
+ * line: inlined, its code cost the mono layer 0.8% at one row, 4K, where
+ * it never runs (registers unchanged; fifty-second session). */
 template <int THREADS>
-__device__ int sel_top_filtered(const float *sc, int c0, int c1, unsigned room, int32_t *out,
-                                SelSharedT<THREADS / 32> &sh) {
+__device__ __noinline__ int sel_top_filtered(const float *sc, int c0, int c1, unsigned room,
+                                             int32_t *out, SelSharedT<THREADS / 32> &sh) {
     constexpr int kGroup = THREADS / 128, kWarps = THREADS / 32;
     uint64_t *keys = reinterpret_cast<uint64_t *>(sh.hist);
     const int n = c1 - c0, per = (n + THREADS - 1) / THREADS;
