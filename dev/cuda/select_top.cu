@@ -64,9 +64,7 @@ __global__ void __launch_bounds__(THREADS)
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     for (int r = 0; r < reps; r++) {
         if (V == 3) {
-            const uint64_t *keys = reinterpret_cast<const uint64_t *>(sh.hist);
-            sel_rank_write<THREADS>(keys, m, room, (int)threadIdx.x < m ? keys[threadIdx.x] : 0ull,
-                                    sh);
+            sel_rank_keys<THREADS>(reinterpret_cast<const uint64_t *>(sh.hist), m, room, sh);
         } else if (V == 4) { /* the filtered path whatever the count (room x per fits) */
             sel_top_filtered<THREADS>(st, 0, n, room, o, sh);
         } else if (V == 1) {

@@ -428,6 +428,13 @@ __device__ __forceinline__ void sel_rank_write(const uint64_t *keys, int n, unsi
     }
 }
 
+/* sel_rank_write over keys already in keys[0..n): each thread ranks its own. */
+template <int THREADS>
+__device__ __forceinline__ void sel_rank_keys(const uint64_t *keys, int n, unsigned room,
+                                              SelSharedT<THREADS / 32> &sh) {
+    sel_rank_write<THREADS>(keys, n, room, (int)threadIdx.x < n ? keys[threadIdx.x] : 0ull, sh);
+}
+
 /* Up to 128 candidates (every context up to 16K tokens): each thread ranks
  * its candidate's key against all of them (keys are distinct, so exactly
  * one has rank room - 1) and that key is the threshold. Two barriers and n
@@ -598,8 +605,7 @@ __device__ __noinline__ int sel_top_filtered(const float *sc, int c0, int c1, un
     if ((int)threadIdx.x % kGroup == 0 && (int)threadIdx.x / kGroup < groups)
         keys[threadIdx.x / kGroup] = mx;
     __syncthreads();
-    sel_rank_write<THREADS>(keys, groups, room,
-                            (int)threadIdx.x < groups ? keys[threadIdx.x] : 0ull, sh);
+    sel_rank_keys<THREADS>(keys, groups, room, sh);
     __syncthreads();
     const uint64_t bound = sh.prefix;
     /* the keys >= bound, in block order: this thread's count, scanned */
@@ -627,8 +633,7 @@ __device__ __noinline__ int sel_top_filtered(const float *sc, int c0, int c1, un
         if (j < cnt && k[j] >= bound)
             keys[pos++] = k[j];
     __syncthreads();
-    sel_rank_write<THREADS>(keys, cands, room,
-                            (int)threadIdx.x < cands ? keys[threadIdx.x] : 0ull, sh);
+    sel_rank_keys<THREADS>(keys, cands, room, sh);
     __syncthreads();
     const uint64_t thr = sh.prefix;
     /* the candidates at or above thr, ascending (cands <= 128 <= THREADS) */
