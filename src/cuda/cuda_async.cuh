@@ -343,7 +343,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
  * [c0, c1) by score: the threshold key (sel_threshold: a direct rank of up
  * to 128 candidates, else a radix select over 64-bit keys), then the
  * selected ids in ascending order (sel_compact). In a build with
- * M3_SEL_FILTER=1 (off by default until gpu-check has run it), from five
+ * M3_SEL_FILTER=1 (the default; 0 turns it off), from five
  * candidates a thread where the room is small against them (M3's 15 of
  * 513-1,024 at 128 threads), the keys that can reach the room are instead
  * filtered to at most 128 and ranked directly (sel_top_filtered; sel_top
@@ -390,6 +390,9 @@ __device__ void sel_find_digit(SelSharedT<WARPS> &sh, int shift) {
         c[i] = sh.hist[lane * 8 + i];
         tot += c[i];
     }
+    /* the shuffles below converge the warp but do not order memory: every
+     * lane's read of sh.k must happen before the one lane's write of it */
+    __syncwarp();
     unsigned suf = tot; /* keys in buckets of lanes >= this lane */
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -545,10 +548,10 @@ __device__ int sel_compact(const float *sc, int c0, int c1, uint64_t thr, int ro
 constexpr int kSelFilterPer = 8;
 constexpr int kSelFilterMinPer = 5;
 
-/* M3_SEL_FILTER=1 (a build switch, 0 by default until gpu-check has run
- * it: docs/PERF.md, fifty-first session) turns the filtered path on */
+/* M3_SEL_FILTER=1 (a build switch, on by default since the fifty-third
+ * session's gpu-check: docs/PERF.md) turns the filtered path on; 0 off */
 #ifndef M3_SEL_FILTER
-#define M3_SEL_FILTER 0
+#define M3_SEL_FILTER 1
 #endif
 
 /* Can sel_top take the filtered path? Blocks go to threads in contiguous

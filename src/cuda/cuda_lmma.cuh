@@ -50,10 +50,9 @@
  * stage 192). At 17-32 rows (M3_LINEAR_MMA_ROWS=32 only) a stage is two
  * pieces, 128 bytes of a row: 256 was mixed there, −9% to +15% by shape
  * (fiftieth session), 128 took 0.6-3.3% off every shape (fifty-first):
- * M3_LMMA_PF_WIDE stays 0 (none) by default until gpu-check's tests have
- * run it (128 or 256 by hand). */
+ * M3_LMMA_PF_WIDE is 128 by default (0: none; 256 by hand). */
 #ifndef M3_LMMA_PF_WIDE
-#define M3_LMMA_PF_WIDE 0
+#define M3_LMMA_PF_WIDE 128
 #endif
 #define LMMA_PF_BYTES(NT) ((NT) <= 2 ? 256 : M3_LMMA_PF_WIDE)
 
