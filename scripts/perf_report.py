@@ -69,6 +69,7 @@ def main():
         lines.append(f"| {rows} | {ctx} | {mb:.1f} | {floors[key]:.1f} | {rd_cell} | " +
                      " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(text)
     print(text)

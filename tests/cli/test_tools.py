@@ -37,6 +37,9 @@
   nvdisasm): an odd descriptor register fails and names its kernel, even
   ones pass, a file without kernels is an error.
 
+- scripts/perf_report.py on made-up stock and mono JSON: its --out folder
+  made when missing, each point's floor and time / floor in results.md.
+
 Run by ctest as: test_tools.py --m3 build/m3 --work DIR [--quick] (m3 is
 used by the cuda_configs.py and gpu-parting checks only).
 """
@@ -441,6 +444,33 @@ def check_queue_sim(work):
     print("mono_queue_sim: hand-worked queues, the presets, a preset from a trace")
 
 
+def check_perf_report(work):
+    """Two points, stock and mono; --out a folder that does not exist yet."""
+    import json
+    pts = {"stock": (150.0, 300.0), "mono": (75.0, 200.0)}
+    for path, (t1, t2) in pts.items():
+        points = [dict(rows=1, context=4096, median_us=t1, bytes=200e6, floor_us=50.0,
+                       read_us=55.0),
+                  dict(rows=2, context=4096, median_us=t2, bytes=300e6, floor_us=100.0)]
+        with open(os.path.join(work, "pr_%s.json" % path), "w") as f:
+            json.dump({"read_gb_per_s": 4000.0, "points": points}, f)
+    out = os.path.join(work, "pr_out", "nested")
+    shutil.rmtree(os.path.join(work, "pr_out"), ignore_errors=True)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "perf_report.py"),
+                        "--stock", os.path.join(work, "pr_stock.json"),
+                        "--mono", os.path.join(work, "pr_mono.json"), "--out", out],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        fail("perf_report: exit %d: %s" % (r.returncode, r.stderr[-400:]))
+    text = open(os.path.join(out, "results.md")).read()
+    want = ["4000 GB/s", "| 1 | 4096 | 200.0 | 50.0 | 55.0 (1.10) | 150.0 (3.00) | 75.0 (1.50) |",
+            "| 2 | 4096 | 300.0 | 100.0 | - | 300.0 (3.00) | 200.0 (2.00) |"]
+    for w in want:
+        if w not in text:
+            fail("perf_report: %r not in results.md:\n%s" % (w, text))
+    print("perf_report: the table from made-up JSON, its --out folder made")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m3")
@@ -453,6 +483,7 @@ def main():
     check_gpu_ab(args.work)
     check_gpu_check(args.work)
     check_sass_check(args.work)
+    check_perf_report(args.work)
     if args.m3:
         check_cuda_configs(os.path.abspath(args.m3), args.work, args.quick)
         check_gpu_parting(os.path.abspath(args.m3), args.work)
