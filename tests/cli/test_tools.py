@@ -18,7 +18,9 @@
   `cublasinit` (SANITIZE_REPORT_ONLY), the binary is removed, and
   NVCC_LIBS reaches the link; its build stage (a stand-in cmake) gives
   cmake CUDAFLAGS explicitly, empty when unset, so a reused build folder
-  does not keep an earlier run's switches from its cache.
+  does not keep an earlier run's switches from its cache; its initcheck
+  stage runs the CLI with prefill chunks of 16 rows (no cuBLAS) on both
+  decode paths before the two test programs.
 
 - tests/gpu/cuda_configs.py with `--device cpu` (the CPU engine on both
   sides: every check passes, a mono refusal counts as a pass) and its
@@ -292,8 +294,24 @@ def check_gpu_check(work):
     if (len(configs) != 2 or "-DCMAKE_CUDA_FLAGS=-DM3_X=1 " not in configs[0] + " "
             or "-DCMAKE_CUDA_FLAGS= " not in configs[1] + " "):
         fail("gpu-check build: want -DCMAKE_CUDA_FLAGS=-DM3_X=1, then empty, got %r" % configs)
+    # the initcheck stage: the CLI first, twice, prefill chunks of 16 rows
+    logger = os.path.join(repo, "bin2", "compute-sanitizer")
+    os.makedirs(os.path.dirname(logger))
+    open(logger, "w").write("#!/bin/sh\necho \"$*\" >>\"$OUT/sanitizer_args.txt\"\n")
+    os.chmod(logger, 0o755)
+    env = dict(os.environ, OUT=out, GPU_CHECK_STAGES="initcheck", BUILD="B",
+               PATH=os.path.dirname(logger) + os.pathsep + os.environ["PATH"])
+    res = subprocess.run(["scripts/gpu-check"], cwd=repo, capture_output=True, text=True,
+                         timeout=120, env=env)
+    runs = open(os.path.join(out, "sanitizer_args.txt")).read().splitlines()
+    want = ["--tool initcheck --error-exitcode 1 --print-limit 50 B/m3 generate --device cuda "
+            "--decode %s --max-rows 16 --prompt-ids %s --max-tokens 8 --ignore-eos"
+            % (d, ",".join(str(i) for i in range(1, 41))) for d in ("stock", "mono")]
+    if res.returncode != 0 or runs[:2] != want or len(runs) != 4:
+        fail("gpu-check initcheck: want the CLI at 16-row chunks, stock then mono, then the "
+             "two tests; exit %d, got %r" % (res.returncode, runs))
     print("gpu-check dev_tool: tables, sanitizer findings, strict and report-only stages; "
-          "build: CUDAFLAGS given to cmake")
+          "build: CUDAFLAGS given to cmake; initcheck: the CLI without cuBLAS first")
 
 
 def check_cuda_configs(m3, work, quick):
