@@ -8,6 +8,9 @@ inputs (a counter) and working after they were ready, and the median work
 of a CTA's first item of the kind against its later ones ("1st / again":
 the first runs the kind's code cold on its SM and starts with every other
 CTA's first item at once). The gaps between kinds are where CTAs waited.
+With both kernels in the trace, the time between the pre kernel's last
+item and the post kernel's first (the launch and the prologues, which no
+item holds) and the two kernels' span.
 Older traces without the ready column show no split. Traces of a build
 with -DM3_MONO_MARKS have up to six mark columns (times inside each item:
 each GEMV chunk's activations staged and, from 2026-12-01's fourteenth
@@ -61,6 +64,7 @@ def main(path):
         first[(r[0], r[2], r[3], r[4])] = key not in seen
         seen.add(key)
     print(path)
+    spans = {}
     for k in (0, 1):
         ks = [v for (kk, _), v in by.items() if kk == k]
         if not ks:
@@ -68,6 +72,7 @@ def main(path):
         start = min(x[0] for v in ks for x in v)
         end = max(x[1] for v in ks for x in v)
         ctas = len({x[2] for v in ks for x in v})
+        spans[k] = (start, end)
         print("  %s kernel: %.1f us from first item to last, %d CTAs took items" %
               ("pre" if k == 0 else "post", (end - start) / 1e3, ctas))
         names = PRE if k == 0 else POST
@@ -99,6 +104,14 @@ def main(path):
                 if any(cols):
                     print("        marks after ready%s: " % label + " ".join(
                         "%.2f (n=%d)" % (median(c) / 1e3, len(c)) if c else "-" for c in cols))
+    if len(spans) == 2:
+        # one clock (the global timer) for both launches: the time between
+        # them is the pre kernel's exit, the post kernel's launch and its
+        # prologue, which no item's time holds
+        (s0, e0), (s1, e1) = spans[0], spans[1]
+        print("  between kernels: the post kernel's first item started %.1f us after the pre "
+              "kernel's last item ended; %.1f us from the first item to the last" %
+              ((s1 - e0) / 1e3, (max(e0, e1) - min(s0, s1)) / 1e3))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 
 - scripts/mono_trace.py on a synthetic item trace: per-kind medians, the
   split of a CTA's first item of a kind from its later ones ("1st / again"),
-  and the marks' medians over all items, first items and later items.
+  the marks' medians over all items, first items and later items, and the
+  time between the two kernels (printed only when both are traced).
 - scripts/gpu-ab on a throwaway git repository whose scripts/gpu-check is a
   stand-in (it records the CUDAFLAGS it was given and writes a fake m3 and a
   ctest folder): `extra NAME REV CUDAFLAGS` reaches that build only, the
@@ -91,6 +92,19 @@ def check_mono_trace(work):
         lines = [l.strip() for l in out.splitlines() if l.strip().startswith(label)]
         if lines != [label + values]:
             fail("mono_trace.py: %r should be %r, got %r\n%s" % (label, values, lines, out))
+    if "between kernels" in out:
+        fail("mono_trace.py: a gap between kernels from a trace of one kernel:\n" + out)
+    # a pre kernel item (kernel 0, kind 1 = proj) from -500 to 800 ns; the post
+    # kernel's first item starts at 1000 and its last ends at 12000: 0.2 us
+    # between the kernels, 12.5 us in all
+    with open(path, "a") as f:
+        f.write("0 1 5 0 -500 800 -500\n")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "mono_trace.py"), path],
+                         capture_output=True, text=True, timeout=60)
+    want = ("between kernels: the post kernel's first item started 0.2 us after the pre "
+            "kernel's last item ended; 12.5 us from the first item to the last")
+    if res.returncode != 0 or want not in res.stdout:
+        fail("mono_trace.py: the gap between kernels:\n" + res.stdout + res.stderr)
 
 
 STAND_IN = r"""#!/bin/bash
