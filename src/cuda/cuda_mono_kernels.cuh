@@ -15,16 +15,17 @@
 #include "cuda/cuda_mono_ffn.cuh"
 
 /* M3_MONO_PDL (build switch, 0 by default): the post kernel launched as a
- * programmatic dependent of the pre kernel. Every pre CTA allows the launch
- * at its start, so post CTAs take the SM slots that pre CTAs leave as the
- * pre queue runs dry, and wait (griddepcontrol.wait: the pre grid complete
- * and its memory flushed) before their first access to memory the pre
- * kernel writes (zero_other onwards). What it could save is the time
- * between the two kernels' items that no item holds: the launch, the CTAs'
- * start, the prologue's barrier. Tried twice before in other forms (fifth
- * and sixteenth sessions: +1% and +9% at one row, never traced); this one
- * is to be timed with the item trace's gap between the kernels
- * (scripts/mono_trace.py) beside it. */
+ * programmatic dependent of the pre kernel, waiting (griddepcontrol.wait:
+ * the pre grid complete and its memory flushed) before its first access to
+ * memory the pre kernel writes (zero_other onwards). 1: every pre CTA
+ * allows the launch at its start, so post CTAs take the SM slots that pre
+ * CTAs leave as the pre queue runs dry; 2: every pre CTA allows it as it
+ * leaves, so the post CTAs start together, as without PDL. What it could
+ * save is the time between the two kernels' items that no item holds (the
+ * launch, the CTAs' start, the prologue's barrier: 3.6 us at one row on an
+ * H100, fifty-fourth session). Tried twice before in other forms (fifth
+ * and sixteenth sessions: +1% and +9% at one row, never traced); 1 was
+ * +0.8 to +3.5% at 1-4 rows (fifty-fourth session, docs/PERF.md). */
 #ifndef M3_MONO_PDL
 #define M3_MONO_PDL 0
 #endif
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     mono_pre_kernel(const __grid_constant__ MonoArgs a) {
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
-#if M3_MONO_PDL
+#if M3_MONO_PDL == 1
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     knobs_init(a);
@@ -194,6 +195,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         if (threadIdx.x == 0)
             ctl.cur = reserved(ctl, nxt);
     }
+#if M3_MONO_PDL == 2
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 /* M3_MONO_PIN: items outside the queue, run by CTAs 0..T-1 (codes
