@@ -14,22 +14,6 @@
 #include "cuda/cuda_mono_attn.cuh"
 #include "cuda/cuda_mono_ffn.cuh"
 
-/* M3_MONO_PDL (build switch, 0 by default): the post kernel launched as a
- * programmatic dependent of the pre kernel, waiting (griddepcontrol.wait:
- * the pre grid complete and its memory flushed) before its first access to
- * memory the pre kernel writes (zero_other onwards). 1: every pre CTA
- * allows the launch at its start, so post CTAs take the SM slots that pre
- * CTAs leave as the pre queue runs dry; 2: every pre CTA allows it as it
- * leaves, so the post CTAs start together, as without PDL. What it could
- * save is the time between the two kernels' items that no item holds (the
- * launch, the CTAs' start, the prologue's barrier: 3.6 us at one row on an
- * H100, fifty-fourth session). Tried twice before in other forms (fifth
- * and sixteenth sessions: +1% and +9% at one row, never traced); 1 was
- * +0.8 to +3.5% at 1-4 rows (fifty-fourth session, docs/PERF.md). */
-#ifndef M3_MONO_PDL
-#define M3_MONO_PDL 0
-#endif
-
 namespace m3mono {
 namespace { /* internal linkage: cuda_mono_kernels.cu and _tp.cu both compile it */
 
@@ -164,9 +148,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     mono_pre_kernel(const __grid_constant__ MonoArgs a) {
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
-#if M3_MONO_PDL == 1
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
     knobs_init(a);
     zero_other(a, false);
     const int n_norm = a.T + 1, n_proj = a.p_item0[5], n_idx = idx_items<NR>(a);
@@ -195,9 +176,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         if (threadIdx.x == 0)
             ctl.cur = reserved(ctl, nxt);
     }
-#if M3_MONO_PDL == 2
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 
 /* M3_MONO_PIN: items outside the queue, run by CTAs 0..T-1 (codes
@@ -243,9 +221,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     extern __shared__ __align__(16) unsigned char dsm[];
     __shared__ Ctl ctl;
     knobs_init(a);
-#if M3_MONO_PDL
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
     zero_other(a, true);
     const int n_sel = a.T * a.Ni, n_att = a.T * a.Nkv * a.mtiles * a.S, n_mrg = a.T * a.Nq;
     const int n_o = (a.H / kTile) * a.s_o, n_n2 = a.T, n_rt = a.rt_tiles * a.s_rt;
@@ -391,21 +366,7 @@ template <int NR, int V>
 m3_status launch_nr(cudaStream_t s, int P, size_t smem, const MonoArgs &a) {
     mono_pre_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);
     M3_CUDA_LAUNCHED("mono_pre_kernel");
-#if M3_MONO_PDL
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)P);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    M3_CUDA_TRY(cudaLaunchKernelEx(&cfg, mono_post_kernel<NR, V>, a));
-#else
     mono_post_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);
-#endif
     M3_CUDA_LAUNCHED("mono_post_kernel");
     return M3_OK;
 }
