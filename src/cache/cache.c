@@ -8,6 +8,16 @@
 
 #include "core/status.h"
 
+/* The free stack in its first order: low page ids handed out first. A pool
+ * that drains goes back to it, so the pages a sequence gets depend only on
+ * what is live, not on the order earlier sequences came and went (a bench
+ * point's pages are the same whichever points ran before it). */
+static void restore_first_order(m3_cache *c) {
+    for (int32_t i = 0; i < c->n_pages; i++)
+        c->free_pages[i] = c->n_pages - 1 - i;
+    c->n_free = c->n_pages;
+}
+
 m3_status m3_cache_init(m3_cache *c, int num_layers, int32_t n_pages, int64_t max_context,
                         int max_seqs) {
     memset(c, 0, sizeof *c);
@@ -33,10 +43,7 @@ m3_status m3_cache_init(m3_cache *c, int num_layers, int32_t n_pages, int64_t ma
         m3_cache_destroy(c);
         return M3_ERR_NO_MEMORY;
     }
-    /* hand out low page ids first */
-    for (int32_t i = 0; i < n_pages; i++)
-        c->free_pages[i] = n_pages - 1 - i;
-    c->n_free = n_pages;
+    restore_first_order(c);
     return M3_OK;
 }
 
@@ -107,8 +114,12 @@ m3_status m3_cache_reserve(m3_cache *c, int seq, int64_t new_len) {
 void m3_cache_trim(m3_cache *c, int seq, int64_t len) {
     m3_seq_state *s = &c->seqs[seq];
     int keep = (int)((len + M3_PAGE_TOKENS - 1) / M3_PAGE_TOKENS);
+    if (s->n_blocks <= keep)
+        return;
     while (s->n_blocks > keep)
         c->free_pages[c->n_free++] = s->pages[--s->n_blocks];
+    if (c->n_free == c->n_pages) /* this trim drained the pool */
+        restore_first_order(c);
 }
 
 int64_t m3_cache_slot(const m3_cache *c, int seq, int64_t pos) {

@@ -4,7 +4,8 @@
  * block b maps to it, in every layer's K, V (and, on sparse layers, index)
  * cache. A token's slot is page·128 + offset. Sequences own block tables
  * (logical block -> page) that grow as tokens are appended; pages come from
- * a free stack, and running out is M3_ERR_OUT_OF_PAGES, not a crash.
+ * a free stack (low ids first; a pool that drains returns to that order), and
+ * running out is M3_ERR_OUT_OF_PAGES, not a crash.
  *
  * This module is host bookkeeping only; the cache memory itself lives in
  * the backend (m3_cache_layer pointers), laid out as

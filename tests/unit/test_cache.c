@@ -6,8 +6,9 @@
  * pages distinct across sequences and slots = page·128 + offset; running out
  * of pages failing with M3_ERR_OUT_OF_PAGES and leaving the sequence as it
  * was; trim giving pages back for reuse; the context limit; and freeing a
- * sequence that does not exist. After every step the pool is audited: each
- * page is either free or held by exactly one live sequence.
+ * sequence that does not exist; a pool that drains handing out its pages in
+ * the first order again. After every step the pool is audited: each page is
+ * either free or held by exactly one live sequence.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -328,6 +329,49 @@ static void test_churn(void) {
     m3_cache_destroy(&c);
 }
 
+/* Once every page is back, the pool hands pages out in its first order
+ * again (low ids first), whatever order they came back in; while any page
+ * is held, freed pages are reused first (no reordering of a live pool). */
+static void test_drain_restores_order(void) {
+    m3_cache c;
+    CHECK_OK(m3_cache_init(&c, 1, 12, 4096, 3));
+    int a, b;
+    CHECK_OK(m3_cache_seq_create(&c, &a));
+    CHECK_OK(m3_cache_seq_create(&c, &b));
+    /* interleave a and b so the pages come back out of order */
+    for (int64_t len = 128; len <= 4 * 128; len += 128) {
+        CHECK_OK(m3_cache_reserve(&c, a, len));
+        CHECK_OK(m3_cache_reserve(&c, b, len));
+    }
+    CHECK(c.seqs[a].pages[1] == 2 && c.seqs[b].pages[1] == 3);
+    int32_t b_first = c.seqs[b].pages[0];
+    CHECK_OK(m3_cache_seq_free(&c, a));
+    CHECK_OK(m3_cache_seq_free(&c, b));
+    CHECK(c.n_free == 12 && pool_consistent(&c));
+    int d;
+    CHECK_OK(m3_cache_seq_create(&c, &d));
+    CHECK_OK(m3_cache_reserve(&c, d, 6 * 128));
+    int in_order = 1;
+    for (int i = 0; i < 6; i++)
+        in_order &= c.seqs[d].pages[i] == i;
+    CHECK(in_order);
+    /* a live pool is not reordered: the next sequence gets what d gave back */
+    CHECK_OK(m3_cache_seq_create(&c, &a));
+    CHECK_OK(m3_cache_reserve(&c, a, 128));
+    int32_t a_page = c.seqs[a].pages[0];
+    m3_cache_trim(&c, d, 3 * 128);
+    CHECK_OK(m3_cache_seq_create(&c, &b));
+    CHECK_OK(m3_cache_reserve(&c, b, 128));
+    CHECK(c.seqs[b].pages[0] == 3 && a_page == 6 && b_first == 1);
+    /* draining by trim (the sequence stays live, holding nothing) also restores */
+    CHECK_OK(m3_cache_seq_free(&c, a));
+    CHECK_OK(m3_cache_seq_free(&c, b));
+    m3_cache_trim(&c, d, 0);
+    CHECK_OK(m3_cache_reserve(&c, d, 2 * 128));
+    CHECK(c.seqs[d].pages[0] == 0 && c.seqs[d].pages[1] == 1 && pool_consistent(&c));
+    m3_cache_destroy(&c);
+}
+
 int main(void) {
     test_init_args();
     test_sequences();
@@ -336,5 +380,6 @@ int main(void) {
     test_trim();
     test_context_limit();
     test_churn();
+    test_drain_restores_order();
     return check_summary("test_cache");
 }
