@@ -6,7 +6,10 @@
  * captured into a CUDA graph and replayed. Between replays the input rows
  * and the sequences rotate through enough sets that their caches and
  * activations exceed the L2 several times over, so the cache is not what
- * is measured. The median replay time is set against the floor.
+ * is measured. The median replay time is set against the floor. A point
+ * frees all its sequences, and a drained page pool hands out its pages in
+ * its first order again (cache.c), so every point gets the same pages
+ * whichever points ran before it.
  *
  * TP over GPUs (--tp N): the engine is a TP front; every rank builds,
  * captures and replays its own graph on its own thread at once (the
