@@ -451,7 +451,7 @@ static m3_status alloc_scratch(m3_cuda_mono *m) {
         {(void **)&m->part_rt, m->s_rt > 1 ? (size_t)m->rt_tiles * m->s_rt * part_tile : 4},
         {(void **)&m->part_shgu, m->s_shgu > 1 ? (size_t)(Is / 4) * m->s_shgu * part_tile : 4},
         {(void **)&m->part_shdn, m->s_shdn > 1 ? (size_t)(H / kTile) * m->s_shdn * part_tile : 4},
-        {(void **)&m->ctr, (size_t)m->n_ctr * 4 * (M3_MONO_ONE_LAUNCH ? 2 : 1)}, /* banks */
+        {(void **)&m->ctr, (size_t)m->n_ctr * 4 * kCtrBanks},
         {(void **)&m->calls, 4},
         {(void **)&m->fault, 16},
         {(void **)&m->peers_dev, (size_t)world * sizeof(void *)},

@@ -82,6 +82,7 @@ constexpr int kCtrLine = 32;
 #ifndef M3_MONO_ONE_LAUNCH
 #define M3_MONO_ONE_LAUNCH 0
 #endif
+constexpr int kCtrBanks = M3_MONO_ONE_LAUNCH ? 2 : 1; /* n_ctr words each */
 enum {
     C_QPRE = 0 * kCtrLine,   /* the pre kernel's work list cursor */
     C_QPOST = 1 * kCtrLine,  /* the post kernel's */
