@@ -30,11 +30,6 @@
  * launches and graph replays alike (nothing depends on host values that
  * change between replays).
  *
- * (M3_MONO_ONE_LAUNCH=1, a build switch, off by default: one launch a layer
- * at world 1, the pre items then the post items, the selection waiting on
- * counters for every projection and index item where the launch boundary
- * was; counters in two banks by the call count's parity, cuda_mono_args.cuh.)
- *
  *   pre  (launch 1): norm1 rows | the rows' RoPE factors (one item; the
  *        projections wait for it with norm1) | projection tiles (iq, ik,
  *        k, v, q: one virtual matrix, iq/ik first so the indexer's inputs
@@ -403,9 +398,6 @@ static void lay_counters(m3_cuda_mono *m) {
     m->o_shdn = at, at += H / kTile;
     m->o_egu = at, at += R * c->experts_per_tok;
     m->o_comb = at, at += H / kTile;
-#if M3_MONO_ONE_LAUNCH /* a bank's fixed counters on lines of their own */
-    at = (at + kCtrLine - 1) / kCtrLine * kCtrLine;
-#endif
     m->n_ctr = at;
 }
 
@@ -451,7 +443,7 @@ static m3_status alloc_scratch(m3_cuda_mono *m) {
         {(void **)&m->part_rt, m->s_rt > 1 ? (size_t)m->rt_tiles * m->s_rt * part_tile : 4},
         {(void **)&m->part_shgu, m->s_shgu > 1 ? (size_t)(Is / 4) * m->s_shgu * part_tile : 4},
         {(void **)&m->part_shdn, m->s_shdn > 1 ? (size_t)(H / kTile) * m->s_shdn * part_tile : 4},
-        {(void **)&m->ctr, (size_t)m->n_ctr * 4 * kCtrBanks},
+        {(void **)&m->ctr, (size_t)m->n_ctr * 4},
         {(void **)&m->calls, 4},
         {(void **)&m->fault, 16},
         {(void **)&m->peers_dev, (size_t)world * sizeof(void *)},

@@ -70,19 +70,6 @@ constexpr unsigned long long kPeerTimeoutNs = 5ull * 1000 * 1000 * 1000;
  * hundreds of waiting CTAs on the others must not contend for one L2 line.
  * The per-group counters follow. */
 constexpr int kCtrLine = 32;
-
-/* M3_MONO_ONE_LAUNCH=1 (a build switch, 0 by default; world 1 only): one
- * persistent kernel a layer instead of two (mono_layer_kernel), the pre
- * items then the post items, so no launch boundary between them. Its
- * counters come in two banks of n_ctr words: a launch uses the bank of the
- * parity of the layer-call count and zeroes the other (the last launch's)
- * at its start, and its last CTA out counts the call. The device code
- * reaches the counters through MONO_CTR (cuda_mono_dev.cuh). =2: the same
- * with the two item loops as calls (mono_layer_kernel). */
-#ifndef M3_MONO_ONE_LAUNCH
-#define M3_MONO_ONE_LAUNCH 0
-#endif
-constexpr int kCtrBanks = M3_MONO_ONE_LAUNCH ? 2 : 1; /* n_ctr words each */
 enum {
     C_QPRE = 0 * kCtrLine,   /* the pre kernel's work list cursor */
     C_QPOST = 1 * kCtrLine,  /* the post kernel's */
@@ -94,16 +81,7 @@ enum {
     C_ROUTER = 7 * kCtrLine, /* router tiles done (target router tiles) */
     C_PLAN = 8 * kCtrLine,   /* routing and expert plan published (target 1) */
     C_SHGU = 9 * kCtrLine,   /* shared gate/up tiles done (target Is / 4) */
-#if M3_MONO_ONE_LAUNCH
-    /* one launch a layer: the launch boundary's place (the selection waits
-     * for every projection and index item) and the launch's end */
-    C_PDONE = 10 * kCtrLine, /* projection items done (target p_item0[5]) */
-    C_IDONE = 11 * kCtrLine, /* index score items done (target idx_items) */
-    C_EXIT = 12 * kCtrLine,  /* CTAs done (the last one counts the call) */
-    C_FIXED = 13 * kCtrLine
-#else
     C_FIXED = 10 * kCtrLine
-#endif
 };
 
 /* ================================================================ arguments */

@@ -55,7 +55,7 @@ __device__ void sel_item(const MonoArgs &a, unsigned char *dsm, int item, bool f
     const int t = item / a.Ni;
     if (!faulted)
         select_one(a, dsm, t, item, a.sel + (size_t)item * a.topk);
-    signal_count(&MONO_CTR(a)[a.o_sel + item]);
+    signal_count(&a.ctr[a.o_sel + item]);
 }
 
 /* ---------------------------------------------------------------- attention
@@ -119,7 +119,7 @@ __device__ int attn_tile(const MonoArgs &a, const AttnCta &c, int i, int64_t *el
     int64_t page = c.rv.table[b];
     if (!page_ok(a, page)) {
         if (threadIdx.x == 0)
-            fault_set(a.fault, MONO_CTR(a) + C_QPOST, M3_MONO_FAULT_PAGE, a.layer, c.t, page);
+            fault_set(a.fault, a.ctr + C_QPOST, M3_MONO_FAULT_PAGE, a.layer, c.t, page);
         return -1;
     }
     *elem = ((page * a.Nkv + c.g) * M3_PAGE + half * kAttnKeys) * kHD;
@@ -233,7 +233,7 @@ __device__ void merge_item(const MonoArgs &a, unsigned char *smem, int item, boo
         static_assert(kThreads == kHD, "one thread per dim");
         a.attn[head * kHD + d] = any ? m3_to_bf(acc / L) : (uint16_t)0;
     }
-    signal_count(&MONO_CTR(a)[C_ATT]);
+    signal_count(&a.ctr[C_ATT]);
 }
 
 /* An attention item's place: row t, KV head g, head tile mt, split (the
@@ -289,7 +289,7 @@ __device__ void att_item(const MonoArgs &a, Ctl &ctl, unsigned char *smem, int i
         attn_partial(a, c, w, smem);
     }
     /* the group's merge items wait for all S splits (post_dep) */
-    signal_count(MONO_CTR(a) + a.o_att + (t * a.Nkv + g) * a.mtiles + mt);
+    signal_count(a.ctr + a.o_att + (t * a.Nkv + g) * a.mtiles + mt);
 }
 
 

@@ -53,13 +53,6 @@ __device__ __noinline__ void fault_set(int *f, unsigned *queue, int code, int la
  * the time the current item's last wait ended (the item trace). */
 __shared__ int s_spin_ns, s_poll_acquire;
 __shared__ unsigned long long s_t_ready;
-#if M3_MONO_ONE_LAUNCH
-/* the launch's counter bank (a.ctr in the two-kernel launches) */
-__shared__ unsigned *s_ctr;
-#define MONO_CTR(a) (s_ctr)
-#else
-#define MONO_CTR(a) ((a).ctr)
-#endif
 #ifdef M3_MONO_MARKS
 __shared__ unsigned long long s_marks[kMarks];
 __shared__ int s_nmark;
@@ -87,9 +80,6 @@ __device__ __forceinline__ void knobs_init(const MonoArgs &a) {
     if (threadIdx.x == 0) {
         s_spin_ns = a.spin_ns;
         s_poll_acquire = a.poll_acquire;
-#if M3_MONO_ONE_LAUNCH
-        s_ctr = a.ctr;
-#endif
     }
     __syncthreads();
 }
@@ -185,7 +175,7 @@ __device__ float ll_read(const MonoArgs &a, const uint2 *p, uint32_t tag, int ro
         if (ld_vol(a.fault) != 0)
             return m3_qnan();
         if (gtimer() - t0 > kPeerTimeoutNs) {
-            fault_set(a.fault, MONO_CTR(a) + C_QPOST, M3_MONO_FAULT_PEER_WAIT, a.layer, row, src);
+            fault_set(a.fault, a.ctr + C_QPOST, M3_MONO_FAULT_PEER_WAIT, a.layer, row, src);
             return m3_qnan();
         }
     }

@@ -26,10 +26,9 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
      * the ring (gemv_chain: the first wave's second chunk landed 5 us after
      * its first at 4 rows, twenty-eighth session's marks) */
     gemv_chain<NR, V>(acc, a.wo, tile * kTile + warp * kRW, a.H, KQ, k0, k1, ctl.rowp, a.T, dsm,
-                      faulted, &MONO_CTR(a)[C_ATT], (unsigned)(a.T * a.Nq));
+                      faulted, &a.ctr[C_ATT], (unsigned)(a.T * a.Nq));
     mark(); /* the slice's products summed (warp sums) */
-    const bool last =
-        split_reduce<NR>(acc, a.s_o, slice, tile, a.part_o, MONO_CTR(a) + a.o_otile, ctl);
+    const bool last = split_reduce<NR>(acc, a.s_o, slice, tile, a.part_o, a.ctr + a.o_otile, ctl);
     mark(); /* the partial written and arrived (the last arriver: summed) */
     if (!last)
         return;
@@ -40,7 +39,7 @@ __device__ void oproj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
         else
             ll_push(a, 0, t, n, ctl.fin[r][t], ctl.tag_o); /* a partial sum: not rounded */
     }
-    signal_count(&MONO_CTR(a)[C_OPROJ]);
+    signal_count(&a.ctr[C_OPROJ]);
 }
 
 /* Row t's norm2; t < 0: the dry run (M3_MONO_PIN=2, world 1, CTAs 0..T-1)
@@ -77,7 +76,7 @@ __device__ void norm2_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
         }
     }
     if (!dry)
-        signal_count(&MONO_CTR(a)[C_NORM2]);
+        signal_count(&a.ctr[C_NORM2]);
 }
 
 /* ---------------------------------------------------------------- router, routing, plan */
@@ -219,7 +218,7 @@ __device__ void route_and_plan(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, 
         __syncthreads(); /* dsm is free again */
         return;
     }
-    signal_count(&MONO_CTR(a)[C_PLAN]);
+    signal_count(&a.ctr[C_PLAN]);
     __syncthreads();
     /* nothing will arrive at the combine counters: combine here (zeros) */
     if (ctl.nu == 0 && a.Is == 0)
@@ -251,8 +250,7 @@ __device__ bool router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int
     gemv_rows_f32<NR>(acc, a.router, tile * kTile + warp * kRW, a.E, a.H, k0, k1, ctl.rowp, a.T,
                       reinterpret_cast<uint16_t *>(dsm), faulted);
     mark(); /* the slice's products summed (warp sums) */
-    const bool last =
-        split_reduce<NR>(acc, a.s_rt, slice, tile, a.part_rt, MONO_CTR(a) + a.o_rtile, ctl);
+    const bool last = split_reduce<NR>(acc, a.s_rt, slice, tile, a.part_rt, a.ctr + a.o_rtile, ctl);
     mark(); /* the partial written and arrived (the last arriver: summed) */
     if (!last)
         return false;
@@ -261,7 +259,7 @@ __device__ bool router_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int
         if (e < a.E)
             a.logits[(size_t)t * a.E + e] = ctl.fin[r][t]; /* fp32: no rounding */
     }
-    return arrive(&MONO_CTR(a)[C_ROUTER], (unsigned)a.rt_tiles, ctl);
+    return arrive(&a.ctr[C_ROUTER], (unsigned)a.rt_tiles, ctl);
 }
 
 /* ---------------------------------------------------------------- experts */
@@ -371,7 +369,7 @@ __device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, 
     if (threadIdx.x == 0) {
         int nu = ctl.plan_nu;
         if (nu < 0) { /* a shared down item before this CTA saw the plan */
-            spin_until(&MONO_CTR(a)[C_PLAN], 1u);
+            spin_until(&a.ctr[C_PLAN], 1u);
             nu = __ldcg(a.n_uniq);
             ctl.plan_nu = nu;
         }
@@ -381,7 +379,7 @@ __device__ void combine_arrive_n(const MonoArgs &a, Ctl &ctl, int tile0, int n, 
         unsigned prev[kEdnSubMax];
 #pragma unroll
         for (int j = 0; j < kEdnSubMax; j++)
-            prev[j] = j < n ? atomicAdd(&MONO_CTR(a)[a.o_comb + tile0 + j], 1u) : 0u;
+            prev[j] = j < n ? atomicAdd(&a.ctr[a.o_comb + tile0 + j], 1u) : 0u;
         int mask = 0;
 #pragma unroll
         for (int j = 0; j < kEdnSubMax; j++)
@@ -410,7 +408,7 @@ __device__ void shgu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     float acc[kRW][NR];
     gemv_rows<NR, V>(acc, wrow_of(m), tile * 4 + (warp & 1) * kRW, a.Is, k0, k1, ctl.rowp, a.T,
                   reinterpret_cast<uint16_t *>(dsm), faulted);
-    if (!split_reduce<NR>(acc, a.s_shgu, slice, tile, a.part_shgu, MONO_CTR(a) + a.o_shgu, ctl))
+    if (!split_reduce<NR>(acc, a.s_shgu, slice, tile, a.part_shgu, a.ctr + a.o_shgu, ctl))
         return;
     for (int i = threadIdx.x; i < 4 * a.T; i += kThreads) {
         int j = i / a.T, t = i % a.T;
@@ -418,7 +416,7 @@ __device__ void shgu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
                                 a.alpha, a.limit);
         a.sh_act[(size_t)t * a.Is + tile * 4 + j] = m3_to_bf(v);
     }
-    signal_count(&MONO_CTR(a)[C_SHGU]);
+    signal_count(&a.ctr[C_SHGU]);
 }
 
 /* Tiles per shared down item in this kernel: a.shdn_sub (all of K, bf16:
@@ -464,7 +462,7 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
     float acc[kRW][NR];
     gemv_rows<NR, V>(acc, wrow_of(a.shd), tile * kTile + warp * kRW, a.H, k0, k1, ctl.rowp, a.T,
                   reinterpret_cast<uint16_t *>(dsm), faulted);
-    if (!split_reduce<NR>(acc, a.s_shdn, slice, tile, a.part_shdn, MONO_CTR(a) + a.o_shdn, ctl))
+    if (!split_reduce<NR>(acc, a.s_shdn, slice, tile, a.part_shdn, a.ctr + a.o_shdn, ctl))
         return;
     for (int i = threadIdx.x; i < kTile * a.T; i += kThreads) {
         int r = i / a.T, t = i % a.T;
@@ -618,7 +616,7 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
         const int tile0 = item % groups * sub, ntile = min(sub, a.I / 4 - tile0);
         if (!faulted)
             egu_walk_item<kGroups ? 2 : ENR>(a, ctl, dsm, u, tile0, ntile);
-        signal_count(&MONO_CTR(a)[a.o_egu + u]);
+        signal_count(&a.ctr[a.o_egu + u]);
         return;
     }
     const int tiles = a.I / 4, u = item / tiles, tile = item % tiles;
@@ -649,7 +647,7 @@ __device__ void egu_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
             __syncthreads(); /* mem / rowp / fin are rewritten by the next group */
         }
     }
-    signal_count(&MONO_CTR(a)[a.o_egu + u]);
+    signal_count(&a.ctr[a.o_egu + u]);
 }
 
 /* Routed down of slot u's expert, output columns [tile*8, tile*8 + 8) for
@@ -675,7 +673,7 @@ __device__ void edn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
         f0 = __ldcg(a.ufirst + u);
         f1 = __ldcg(a.ufirst + u + 1);
     }
-    wait_count(&MONO_CTR(a)[a.o_egu + u], (unsigned)egu_groups(a.I, egu_sub_of<NR, V>(a)));
+    wait_count(&a.ctr[a.o_egu + u], (unsigned)egu_groups(a.I, egu_sub_of<NR, V>(a)));
     if (a.I <= kKC && !((V & V_F8) && a.ed.fp8)) { /* one staged chunk (M3: 768), bf16 */
         if (!faulted) {
             const WRow W = wrow_expert(a.ed, e);

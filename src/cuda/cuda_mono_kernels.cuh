@@ -30,25 +30,25 @@ __device__ __noinline__ void zero_other(const MonoArgs &a, bool post) {
     const int i = blockIdx.x * kThreads + threadIdx.x, n = gridDim.x * kThreads;
     if (post) { /* the pre kernel's */
         if (i == 0) {
-            MONO_CTR(a)[C_QPRE] = 0u;
-            MONO_CTR(a)[C_NORM1] = 0u;
-            MONO_CTR(a)[C_IDX] = 0u;
+            a.ctr[C_QPRE] = 0u;
+            a.ctr[C_NORM1] = 0u;
+            a.ctr[C_IDX] = 0u;
         }
         for (int j = C_FIXED + i; j < a.o_post; j += n)
-            MONO_CTR(a)[j] = 0u;
+            a.ctr[j] = 0u;
     } else {
         if (i == 0) {
-            MONO_CTR(a)[C_QPOST] = 0u;
-            MONO_CTR(a)[C_ATT] = 0u;
-            MONO_CTR(a)[C_OPROJ] = 0u;
-            MONO_CTR(a)[C_NORM2] = 0u;
-            MONO_CTR(a)[C_ROUTER] = 0u;
-            MONO_CTR(a)[C_PLAN] = 0u;
-            MONO_CTR(a)[C_SHGU] = 0u;
+            a.ctr[C_QPOST] = 0u;
+            a.ctr[C_ATT] = 0u;
+            a.ctr[C_OPROJ] = 0u;
+            a.ctr[C_NORM2] = 0u;
+            a.ctr[C_ROUTER] = 0u;
+            a.ctr[C_PLAN] = 0u;
+            a.ctr[C_SHGU] = 0u;
             *a.calls += 1u;
         }
         for (int j = a.o_post + i; j < a.n_ctr; j += n)
-            MONO_CTR(a)[j] = 0u;
+            a.ctr[j] = 0u;
     }
 }
 
@@ -127,57 +127,19 @@ __device__ __forceinline__ ItemDep post_dep(const MonoArgs &a, int kind, int loc
     switch (kind) {
     case K_ATT: {
         const AttPos p = att_pos(a, local);
-        return {&MONO_CTR(a)[a.o_sel + p.t * a.Ni + p.g], 1u};
+        return {&a.ctr[a.o_sel + p.t * a.Ni + p.g], 1u};
     }
     case K_MRG: {
         const int t = local / a.Nq, h = local % a.Nq, g = h / a.group;
         const int mt = h % a.group / kHeadTile;
-        return {&MONO_CTR(a)[a.o_att + (t * a.Nkv + g) * a.mtiles + mt], (unsigned)a.S};
+        return {&a.ctr[a.o_att + (t * a.Nkv + g) * a.mtiles + mt], (unsigned)a.S};
     }
-    case K_NORM2: return {&MONO_CTR(a)[C_OPROJ], (unsigned)(a.H / kTile)};
+    case K_NORM2: return {&a.ctr[C_OPROJ], (unsigned)(a.H / kTile)};
     case K_ROUTER:
-    case K_SHGU: return {&MONO_CTR(a)[C_NORM2], (unsigned)a.T};
-    case K_SHDN: return {&MONO_CTR(a)[C_SHGU], (unsigned)(a.Is / 4)};
-    case K_PLAN: return {&MONO_CTR(a)[C_ROUTER], (unsigned)a.rt_tiles};
+    case K_SHGU: return {&a.ctr[C_NORM2], (unsigned)a.T};
+    case K_SHDN: return {&a.ctr[C_SHGU], (unsigned)(a.Is / 4)};
+    case K_PLAN: return {&a.ctr[C_ROUTER], (unsigned)a.rt_tiles};
     default: return {nullptr, 0u};
-    }
-}
-
-/* The pre kernel's item loop. ONE (M3_MONO_ONE_LAUNCH): the post items
- * follow in the same launch, so the selection waits for every projection
- * and index item on counters (C_PDONE, C_IDONE) instead of the launch
- * boundary. */
-template <int NR, int V, bool ONE>
-__device__ __forceinline__ void pre_loop(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) {
-    const int n_norm = a.T + 1, n_proj = a.p_item0[5], n_idx = idx_items<NR>(a);
-    const int total = n_norm + n_proj + n_idx;
-    if (threadIdx.x == 0)
-        reserve_first(a, ctl, atomicAdd(&MONO_CTR(a)[C_QPRE], 1u));
-    for (;;) {
-        bool faulted;
-        int cur = next_item(ctl, &faulted);
-        if (cur >= total)
-            break;
-        unsigned nxt = 0;
-        if (threadIdx.x == 0)
-            nxt = atomicAdd(&MONO_CTR(a)[C_QPRE], 1u); /* in flight during the item */
-        unsigned long long t0 = a.trace ? gtimer() : 0;
-        int item = cur, kind;
-        if (cur < a.T)
-            kind = 0, norm1_item(a, ctl, dsm, cur, faulted);
-        else if (cur < n_norm)
-            kind = 4, rope_item(a, ctl, faulted); /* the RoPE factors */
-        else if ((cur -= n_norm) < n_proj)
-            kind = 1, proj_item<NR, V>(a, ctl, dsm, cur, faulted);
-        else
-            kind = 2, idx_item_of<NR>(a, ctl, dsm, cur - n_proj, faulted);
-#if M3_MONO_ONE_LAUNCH
-        if (ONE && (kind == 1 || kind == 2))
-            signal_count(&MONO_CTR(a)[kind == 1 ? C_PDONE : C_IDONE]);
-#endif
-        trace_item(a, 0, kind, item, t0);
-        if (threadIdx.x == 0)
-            ctl.cur = reserved(ctl, nxt);
     }
 }
 
@@ -188,7 +150,32 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     __shared__ Ctl ctl;
     knobs_init(a);
     zero_other(a, false);
-    pre_loop<NR, V, false>(a, ctl, dsm);
+    const int n_norm = a.T + 1, n_proj = a.p_item0[5], n_idx = idx_items<NR>(a);
+    const int total = n_norm + n_proj + n_idx;
+    if (threadIdx.x == 0)
+        reserve_first(a, ctl, atomicAdd(&a.ctr[C_QPRE], 1u));
+    for (;;) {
+        bool faulted;
+        int cur = next_item(ctl, &faulted);
+        if (cur >= total)
+            break;
+        unsigned nxt = 0;
+        if (threadIdx.x == 0)
+            nxt = atomicAdd(&a.ctr[C_QPRE], 1u); /* in flight during the item */
+        unsigned long long t0 = a.trace ? gtimer() : 0;
+        int item = cur, kind;
+        if (cur < a.T)
+            kind = 0, norm1_item(a, ctl, dsm, cur, faulted);
+        else if (cur < n_norm)
+            kind = 4, rope_item(a, ctl, faulted); /* the RoPE factors */
+        else if ((cur -= n_norm) < n_proj)
+            kind = 1, proj_item<NR, V>(a, ctl, dsm, cur, faulted);
+        else
+            kind = 2, idx_item_of<NR>(a, ctl, dsm, cur - n_proj, faulted);
+        trace_item(a, 0, kind, item, t0);
+        if (threadIdx.x == 0)
+            ctl.cur = reserved(ctl, nxt);
+    }
 }
 
 /* M3_MONO_PIN: items outside the queue, run by CTAs 0..T-1 (codes
@@ -228,13 +215,13 @@ __device__ __forceinline__ int own_item(const MonoArgs &a, int s, int base_n2) {
     return kQueue;
 }
 
-/* The post kernel's item loop. ONE (M3_MONO_ONE_LAUNCH): the pre items
- * ran before it in the same launch, whose start read the layer-call count
- * (calls, before this call's count; the two-kernel pre kernel counts it at
- * its start, so the post kernel reads it here). */
-template <int NR, int V, bool ONE>
-__device__ __forceinline__ void post_loop(const MonoArgs &a, Ctl &ctl, unsigned char *dsm,
-                                          uint32_t calls) {
+template <int NR, int V>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+    mono_post_kernel(const __grid_constant__ MonoArgs a) {
+    extern __shared__ __align__(16) unsigned char dsm[];
+    __shared__ Ctl ctl;
+    knobs_init(a);
+    zero_other(a, true);
     const int n_sel = a.T * a.Ni, n_att = a.T * a.Nkv * a.mtiles * a.S, n_mrg = a.T * a.Nq;
     const int n_o = (a.H / kTile) * a.s_o, n_n2 = a.T, n_rt = a.rt_tiles * a.s_rt;
     const int n_shgu = a.Is ? (a.Is / 4) * a.s_shgu : 0;
@@ -249,7 +236,7 @@ __device__ __forceinline__ void post_loop(const MonoArgs &a, Ctl &ctl, unsigned 
         ctl.step = 0;
         ctl.plan_nu = -1;
         const int own = own_item(a, 0, base_n2);
-        const unsigned q = own != kQueue ? 0u : atomicAdd(&MONO_CTR(a)[C_QPOST], 1u);
+        const unsigned q = own != kQueue ? 0u : atomicAdd(&a.ctr[C_QPOST], 1u);
         reserve_first(a, ctl, q);
         if (own != kQueue)
             ctl.cur = own;
@@ -261,10 +248,7 @@ __device__ __forceinline__ void post_loop(const MonoArgs &a, Ctl &ctl, unsigned 
          * and new for every call, CUDA graph replays included (a kernel
          * parameter would be frozen in the graph). Odd / even, never the
          * buffers' initial 0 on the o side. */
-        if (!ONE)
-            calls = *(const volatile uint32_t *)a.calls;
-        else
-            calls += 1u; /* what the two-kernel pre kernel would have made it */
+        uint32_t calls = *(const volatile uint32_t *)a.calls;
         ctl.tag_o = 2u * calls + 1u;
         ctl.tag_f = 2u * calls + 2u;
     }
@@ -275,7 +259,7 @@ __device__ __forceinline__ void post_loop(const MonoArgs &a, Ctl &ctl, unsigned 
         if (cur >= base_dyn) { /* the routed experts' items exist once the plan does */
             int nu = ctl.plan_nu; /* (read by every thread before the barriers below) */
             if (nu < 0) {
-                wait_count(&MONO_CTR(a)[C_PLAN], 1u);
+                wait_count(&a.ctr[C_PLAN], 1u);
                 nu = __ldcg(a.n_uniq);
                 if (threadIdx.x == 0)
                     ctl.plan_nu = nu; /* seen by the CTA after the item's barriers */
@@ -325,12 +309,6 @@ __device__ __forceinline__ void post_loop(const MonoArgs &a, Ctl &ctl, unsigned 
          * every wait is for an earlier item.) */
         if (kind == K_ROUTER && !faulted)
             router_prefetch(a, cur);
-#if M3_MONO_ONE_LAUNCH
-        if (ONE && kind == K_SEL) { /* the launch boundary's place */
-            wait_count(&MONO_CTR(a)[C_PDONE], (unsigned)a.p_item0[5]);
-            wait_count(&MONO_CTR(a)[C_IDONE], (unsigned)idx_items<NR>(a));
-        }
-#endif
         const ItemDep dep = dry ? ItemDep{nullptr, 0u} : post_dep(a, kind, cur);
         if (dep.c)
             wait_count(dep.c, dep.target);
@@ -339,7 +317,7 @@ __device__ __forceinline__ void post_loop(const MonoArgs &a, Ctl &ctl, unsigned 
         if (threadIdx.x == 0) {
             own = own_item(a, ctl.step + 1, base_n2);
             if (own == kQueue)
-                nxt = atomicAdd(&MONO_CTR(a)[C_QPOST], 1u);
+                nxt = atomicAdd(&a.ctr[C_QPOST], 1u);
         }
         bool plan = false;
         switch (kind) {
@@ -367,74 +345,13 @@ __device__ __forceinline__ void post_loop(const MonoArgs &a, Ctl &ctl, unsigned 
     }
 }
 
-template <int NR, int V>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
-    mono_post_kernel(const __grid_constant__ MonoArgs a) {
-    extern __shared__ __align__(16) unsigned char dsm[];
-    __shared__ Ctl ctl;
-    knobs_init(a);
-    zero_other(a, true);
-    post_loop<NR, V, false>(a, ctl, dsm, 0u);
-}
-
-#if M3_MONO_ONE_LAUNCH
-/* M3_MONO_ONE_LAUNCH=2: the two loops as calls (each with its own
- * register allocation: 20-36 + 204-276 bytes of spills by ptxas, against
- * 120-320 bytes of stack for the loops inlined together, =1). */
-template <int NR, int V>
-__device__ __noinline__ void pre_loop_call(const MonoArgs &a, Ctl &ctl, unsigned char *dsm) {
-    pre_loop<NR, V, true>(a, ctl, dsm);
-}
-
-template <int NR, int V>
-__device__ __noinline__ void post_loop_call(const MonoArgs &a, Ctl &ctl, unsigned char *dsm,
-                                            uint32_t calls) {
-    post_loop<NR, V, true>(a, ctl, dsm, calls);
-}
-
-/* One launch a layer (world 1): the bank of this call's parity, the other
- * bank (the last call's, which has ended) zeroed over the grid, the pre
- * items, the post items, and the last CTA out counts the call, so the next
- * launch takes the other bank. */
-template <int NR, int V>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
-    mono_layer_kernel(const __grid_constant__ MonoArgs a) {
-    extern __shared__ __align__(16) unsigned char dsm[];
-    __shared__ Ctl ctl;
-    __shared__ uint32_t calls;
-    knobs_init(a);
-    if (threadIdx.x == 0) {
-        calls = *(const volatile uint32_t *)a.calls;
-        s_ctr = a.ctr + (size_t)(calls & 1u) * (size_t)a.n_ctr;
-    }
-    __syncthreads();
-    unsigned *other = a.ctr + (size_t)(~calls & 1u) * (size_t)a.n_ctr;
-    for (int j = blockIdx.x * kThreads + threadIdx.x; j < a.n_ctr; j += gridDim.x * kThreads)
-        other[j] = 0u;
-    if constexpr (M3_MONO_ONE_LAUNCH == 2) {
-        pre_loop_call<NR, V>(a, ctl, dsm);
-        post_loop_call<NR, V>(a, ctl, dsm, calls);
-    } else {
-        pre_loop<NR, V, true>(a, ctl, dsm);
-        post_loop<NR, V, true>(a, ctl, dsm, calls);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(&s_ctr[C_EXIT], 1u) == gridDim.x - 1u)
-        atomicAdd(a.calls, 1u); /* seen by the next launch (stream order) */
-}
-#endif
-
 /* ---------------------------------------------------------------- launches */
 
 template <int NR, int V>
 m3_status occupancy_nr(size_t smem, int *min_occ) {
-    const void *fns[3] = {(const void *)mono_pre_kernel<NR, V>,
-                          (const void *)mono_post_kernel<NR, V>, nullptr};
-#if M3_MONO_ONE_LAUNCH
-    if constexpr (!(V & V_TP))
-        fns[2] = (const void *)mono_layer_kernel<NR, V>;
-#endif
-    for (int i = 0; i < 3 && fns[i]; i++) {
+    const void *fns[2] = {(const void *)mono_pre_kernel<NR, V>,
+                          (const void *)mono_post_kernel<NR, V>};
+    for (int i = 0; i < 2; i++) {
         M3_CUDA_TRY(cudaFuncSetAttribute(fns[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)smem));
         int n = 0;
@@ -447,13 +364,6 @@ m3_status occupancy_nr(size_t smem, int *min_occ) {
 
 template <int NR, int V>
 m3_status launch_nr(cudaStream_t s, int P, size_t smem, const MonoArgs &a) {
-#if M3_MONO_ONE_LAUNCH
-    if constexpr (!(V & V_TP)) {
-        mono_layer_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);
-        M3_CUDA_LAUNCHED("mono_layer_kernel");
-        return M3_OK;
-    }
-#endif
     mono_pre_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);
     M3_CUDA_LAUNCHED("mono_pre_kernel");
     mono_post_kernel<NR, V><<<(unsigned)P, kThreads, smem, s>>>(a);

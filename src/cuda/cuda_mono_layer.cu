@@ -349,7 +349,6 @@ extern "C" m3_status m3_cuda_mono_layer(m3_cuda_mono *m, const m3_step *st, int 
      * launch whose post launch failed, its counters would stay dirty for the
      * next call, so zero them all here (best effort: the error is returned). */
     if (s)
-        (void)cudaMemsetAsync(m->ctr, 0, (size_t)m->n_ctr * sizeof *m->ctr * kCtrBanks,
-                              m->cu->stream);
+        (void)cudaMemsetAsync(m->ctr, 0, (size_t)m->n_ctr * sizeof *m->ctr, m->cu->stream);
     return s;
 }

@@ -98,7 +98,7 @@ __device__ void head_epilogue(const MonoArgs &a, unsigned char *dsm, int hh, boo
             continue; /* padded row: writes nothing */
         if (slot >= limit) {
             if (lane == 0)
-                fault_set(a.fault, MONO_CTR(a) + C_QPRE, M3_MONO_FAULT_SLOT, a.layer, t, slot);
+                fault_set(a.fault, a.ctr + C_QPRE, M3_MONO_FAULT_SLOT, a.layer, t, slot);
             continue;
         }
         int64_t page = slot / M3_PAGE, off = slot % M3_PAGE;
@@ -123,7 +123,7 @@ __device__ void rope_item(const MonoArgs &a, Ctl &ctl, bool faulted) {
             f[t * kMaxHalf + k] = make_float2((float)c, (float)s);
         }
     }
-    signal_count(&MONO_CTR(a)[C_NORM1]);
+    signal_count(&a.ctr[C_NORM1]);
 }
 
 __device__ void norm1_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int t,
@@ -133,7 +133,7 @@ __device__ void norm1_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int 
         norm_row(a, ctl, a.residual + (size_t)t * a.H, !a.first, a.hidden + (size_t)t * a.H, none,
                  a.in_norm, a.x1 + (size_t)t * a.H, dsm);
     }
-    signal_count(&MONO_CTR(a)[C_NORM1]);
+    signal_count(&a.ctr[C_NORM1]);
 }
 
 /* Head hh of a split matrix, every row: each output the sum of its tile's
@@ -176,7 +176,7 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
      * (the first wave of items waits ~6 us for it at one row); at one row
      * and 3-4 rows q, k and v (unsplit, bf16) through the ring (gemv_chain) */
     gemv_chain<NR, V>(acc, *m, vr - base, m->n, a.H, k0, k1, ctl.rowp, a.T, dsm, faulted,
-                      &MONO_CTR(a)[C_NORM1], (unsigned)a.T + 1u);
+                      &a.ctr[C_NORM1], (unsigned)a.T + 1u);
     mark(); /* the slice's products summed (warp sums) */
     const int hh = tile * kTile / kHD;
     if (s > 1) {
@@ -186,14 +186,14 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
          * round trips on the index heads' chain) */
         partial_put<NR>(acc, a.part_proj + ((size_t)tile * a.s_pmax + slice) *
                                                (kTile * kMaxT));
-        if (!arrive(MONO_CTR(a) + a.o_head + hh, (unsigned)(kHD / kTile * s), ctl))
+        if (!arrive(a.ctr + a.o_head + hh, (unsigned)(kHD / kTile * s), ctl))
             return;
         uint16_t *rows = reinterpret_cast<uint16_t *>(dsm + kEpiSmem);
         head_sum(a, hh, s, rows);
         mark(); /* the head's slots summed; its epilogue next */
         head_epilogue(a, dsm, hh, fault_now(a, ctl), rows);
         if (hh <= a.Ni)
-            signal_count(&MONO_CTR(a)[C_IDX]);
+            signal_count(&a.ctr[C_IDX]);
         return;
     }
     /* unsplit: the CTA holds the tile's sums */
@@ -203,14 +203,14 @@ __device__ void proj_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
         int r = i / a.T, t = i % a.T;
         a.proj[(size_t)t * a.Ntot + tile * kTile + r] = m3_to_bf(ctl.fin[r][t]);
     }
-    if (!arrive(MONO_CTR(a) + a.o_head + hh, kHD / kTile, ctl))
+    if (!arrive(a.ctr + a.o_head + hh, kHD / kTile, ctl))
         return;
     /* no cache writes once a fault is set (read again: this CTA may have
      * started its tile before another one set it) */
     mark(); /* the tile written; the head's last tile: its epilogue next */
     head_epilogue(a, dsm, hh, fault_now(a, ctl));
     if (hh <= a.Ni)
-        signal_count(&MONO_CTR(a)[C_IDX]);
+        signal_count(&a.ctr[C_IDX]);
 }
 
 /* ---------------------------------------------------------------- index scores
@@ -267,7 +267,7 @@ __device__ void idx_load(const MonoArgs &a, const RowView &rv, int t, int b, uns
     if (threadIdx.x == 0) {
         *s_count = ok ? count : -1;
         if (!ok)
-            fault_set(a.fault, MONO_CTR(a) + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, t, page);
+            fault_set(a.fault, a.ctr + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, t, page);
     }
     if (ok)
         idx_copy_page(a, page, count, dst);
@@ -321,7 +321,7 @@ __device__ void idx_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
     float *out_row = a.scores + (int64_t)t * a.Ni * MB;
     if (rv.state == ROW_BAD) {
         if (threadIdx.x == 0 && j == 0)
-            fault_set(a.fault, MONO_CTR(a) + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
+            fault_set(a.fault, a.ctr + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
         const int owned = j < MB ? (MB - 1 - j) / G + 1 : 0;
         for (int64_t k = threadIdx.x; k < (int64_t)owned * a.Ni; k += kThreads)
             out_row[(k % a.Ni) * MB + j + (k / a.Ni) * G] = m3_qnan();
@@ -337,7 +337,7 @@ __device__ void idx_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int it
     const bool early = idx_page_clean(a, rv.table[j]);
     if (early)
         idx_load(a, rv, t, j, tiles, &ctl.s_count[0]);
-    wait_count(&MONO_CTR(a)[C_IDX], (unsigned)(a.Ni + 1));
+    wait_count(&a.ctr[C_IDX], (unsigned)(a.Ni + 1));
     const uint16_t *iq = a.proj + (size_t)t * a.Ntot; /* iq heads at column 0 */
     for (int e = threadIdx.x; e < a.Ni * kHD; e += kThreads)
         qd[e] = (double)m3_bf(__ldcg(iq + e));
@@ -403,7 +403,7 @@ __device__ __forceinline__ IdxPage idx_get(const int *slot) {
 
 /* Thread 0: the next page of item w's stream. */
 __device__ IdxPage idx_next(const MonoArgs &a, int w, IdxGen &g) {
-    unsigned *runs = MONO_CTR(a) + a.o_idxq;
+    unsigned *runs = a.ctr + a.o_idxq;
     for (;;) {
         if (g.t >= 0 && g.b < g.end) {
             const int b = g.b++;
@@ -417,7 +417,7 @@ __device__ IdxPage idx_next(const MonoArgs &a, int w, IdxGen &g) {
             const int64_t page = g.table[b];
             int count = (int)min((int64_t)M3_PAGE, g.kv_len - (int64_t)b * M3_PAGE);
             if (!page_ok(a, page)) {
-                fault_set(a.fault, MONO_CTR(a) + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, g.t, page);
+                fault_set(a.fault, a.ctr + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, g.t, page);
                 count = -1;
             }
             return {g.t, b, count, page};
@@ -465,7 +465,7 @@ __device__ void idx_fill(const MonoArgs &a, int w) {
         const RowView rv = load_row(a, t);
         if (rv.state == ROW_BAD) {
             if (k == t * per_row)
-                fault_set(a.fault, MONO_CTR(a) + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
+                fault_set(a.fault, a.ctr + C_QPRE, M3_MONO_FAULT_PAGE, a.layer, t, a.pos[t]);
             a.scores[k] = m3_qnan();
         } else if (rv.state == ROW_OK && b >= rv.nblocks) {
             a.scores[k] = -INFINITY;
@@ -490,7 +490,7 @@ __device__ __noinline__ void idx_claim_item(const MonoArgs &a, Ctl &ctl, unsigne
         g.run = max(1, min(a.idx_run, (pages + a.Gc - 1) / a.Gc));
         idx_put(ctl.mem, idx_next(a, w, g));
     }
-    wait_count(&MONO_CTR(a)[C_IDX], (unsigned)(a.Ni + 1));
+    wait_count(&a.ctr[C_IDX], (unsigned)(a.Ni + 1));
     if (faulted)
         return;
     double *qd = reinterpret_cast<double *>(dsm);
