@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "core/progress.h"
 #include "core/status.h"
 #include "cuda/cuda_bench.h"
 #include "cuda/cuda_mono.h"
@@ -98,6 +99,7 @@ typedef struct bench_ctx {
     bool cp;      /* the stock path with indexer context parallelism */
     /* the point being timed, shared by the rank threads */
     int rows, sets, iters;
+    double warmup_ms;
     double *us;   /* [world][iters]: each rank's replay times */
     double *ar_us;/* [world][iters]: the stock path's all-reduces alone (TP > 1) */
     float *ar_buf[M3_MAX_TP]; /* each rank's [rows * k, H] fp32 for them */
@@ -157,24 +159,40 @@ static m3_status allreduces(bench_ctx *b, m3_engine *e) {
     return e->comm->ops->all_reduce_sum_f32(e->comm, buf, n);
 }
 
-/* Replay graph iters times (three warm-ups first) into us[iters], with
- * fresh inputs before each replay when sets > 0. TP: the ranks start each
- * replay together (inputs ready, then a host barrier), so a rank's time
- * is not another's late start. */
-static m3_status replay(bench_ctx *b, m3_engine *e, void *graph, int sets, double *us) {
-    for (int i = -3; i < b->iters; i++) {
-        double t;
-        bool all = true;
-        if (sets)
-            M3_TRY(prepare_set(b, e, b->rows, (i + 3) % sets));
-        if (b->world > 1) {
-            M3_TRY(e->be->ops->sync(e->be));
-            M3_TRY(m3_comm_agree(e->comm, true, &all));
-        }
-        M3_TRY(m3_cuda_timed_launch(e->be, graph, &t));
-        if (i >= 0)
-            us[i] = t;
+/* One replay of graph (fresh inputs first when sets > 0: input set `set`
+ * modulo sets). TP: the ranks start it together (inputs ready, then a host
+ * barrier), so a rank's time is not another's late start. */
+static m3_status replay_once(bench_ctx *b, m3_engine *e, void *graph, int sets, int set,
+                             double *us) {
+    bool all = true;
+    if (sets)
+        M3_TRY(prepare_set(b, e, b->rows, set % sets));
+    if (b->world > 1) {
+        M3_TRY(e->be->ops->sync(e->be));
+        M3_TRY(m3_comm_agree(e->comm, true, &all));
     }
+    return m3_cuda_timed_launch(e->be, graph, us);
+}
+
+/* Replay graph: warm-ups first, at least three and for at least
+ * b->warmup_ms (a point measured right after a heavier one runs several
+ * percent slower for tens of milliseconds: docs/PERF.md, fifty-sixth
+ * session; TP: the ranks agree when to stop, so they replay alike), then
+ * iters timed replays into us[iters]. */
+static m3_status replay(bench_ctx *b, m3_engine *e, void *graph, int sets, double *us) {
+    const double t0 = m3_now_seconds();
+    int n = 0;
+    for (;; n++) {
+        bool done = n >= 3 && (m3_now_seconds() - t0) * 1e3 >= b->warmup_ms;
+        if (b->world > 1)
+            M3_TRY(m3_comm_agree(e->comm, done, &done));
+        if (done)
+            break;
+        double t;
+        M3_TRY(replay_once(b, e, graph, sets, n, &t));
+    }
+    for (int i = 0; i < b->iters; i++)
+        M3_TRY(replay_once(b, e, graph, sets, n + i, &us[i]));
     return M3_OK;
 }
 
@@ -222,20 +240,19 @@ static m3_status time_rank(m3_engine *e, void *arg) {
     return st;
 }
 
-/* Per replay the slowest rank; median and minimum over replays. */
-static void summarize(const bench_ctx *b, const double *us, double *median, double *min) {
-    double *worst = calloc((size_t)b->iters, sizeof *worst);
-    if (!worst) {
-        *median = *min = NAN;
-        return;
-    }
-    for (int i = 0; i < b->iters; i++)
+/* Per replay the slowest rank; the series' median, minimum and drift
+ * (bench_series_of). */
+static bench_series summarize(const bench_ctx *b, const double *us) {
+    const int n = b->iters;
+    double *worst = calloc((size_t)n * 2, sizeof *worst);
+    if (!worst)
+        return (bench_series){NAN, NAN, NAN, NAN};
+    for (int i = 0; i < n; i++)
         for (int r = 0; r < b->world; r++)
-            worst[i] = fmax(worst[i], us[(size_t)r * b->iters + i]);
-    qsort(worst, (size_t)b->iters, sizeof *worst, bench_cmp_double);
-    *median = worst[b->iters / 2];
-    *min = worst[0];
+            worst[i] = fmax(worst[i], us[(size_t)r * n + i]);
+    bench_series s = bench_series_of(worst, n, worst + n);
     free(worst);
+    return s;
 }
 
 static m3_status time_point(bench_ctx *b, int rows, int sets, int iters, m3_bench_point *p) {
@@ -246,9 +263,11 @@ static m3_status time_point(bench_ctx *b, int rows, int sets, int iters, m3_benc
     m3_status st = b->us && b->ar_us ? on_ranks(b, time_rank)
                                      : m3_fail(M3_ERR_NO_MEMORY, "out of memory for timings");
     if (!st) {
-        summarize(b, b->us, &p->median_us, &p->min_us);
+        bench_series t = summarize(b, b->us);
+        p->median_us = t.median, p->min_us = t.min;
+        p->first_third_us = t.first_third, p->last_third_us = t.last_third;
         if (b->world > 1)
-            summarize(b, b->ar_us, &p->allreduce_us, &(double){0});
+            p->allreduce_us = summarize(b, b->ar_us).median;
         p->unique_experts = b->unique;
     }
     free(b->us), free(b->ar_us);
@@ -346,6 +365,8 @@ static m3_status check_opts(const m3_bench_layer_opts *o, const m3_config *c, in
                        layer);
     if (o->iters < 1 || o->n_rows < 1 || o->n_contexts < 1)
         return m3_fail(M3_ERR_INVALID_ARG, "bench needs iterations, rows and contexts");
+    if (!(o->warmup_ms >= 0 && o->warmup_ms <= 600000))
+        return m3_fail(M3_ERR_INVALID_ARG, "warm-up %g ms: must be in [0, 600000]", o->warmup_ms);
     for (int j = 0; j < o->n_rows; j++)
         if (o->rows[j] < 1 || o->rows[j] > M3_GRAPH_MAX_ROWS)
             return m3_fail(M3_ERR_INVALID_ARG, "rows %d: must be in [1, %d]", o->rows[j],
@@ -380,7 +401,8 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
     m3_model_opts mo = {true};
     M3_TRY(m3_model_load(o->model_dir, &mo, &model));
     const m3_config *c = m3_model_config(model);
-    bench_ctx b = {.world = o->tp > 1 ? o->tp : 1, .layer = pick_layer(c, o->layer)};
+    bench_ctx b = {.world = o->tp > 1 ? o->tp : 1, .layer = pick_layer(c, o->layer),
+                   .warmup_ms = o->warmup_ms};
     m3_status st = check_opts(o, c, b.layer);
     b.w = st ? NULL : &model->w.layers[b.layer];
     m3_engine_opts eo = m3_engine_defaults();

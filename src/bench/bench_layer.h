@@ -15,6 +15,12 @@
 
 #define M3_BENCH_MAX_POINTS 64
 
+/* Each point's warm-up before its timed replays, in milliseconds: a point
+ * measured right after a heavier one (16 rows, then one row at 128K) ran
+ * 8% slower over 50 replays with three warm-ups, and at its usual time
+ * over 400 (docs/PERF.md, fifty-sixth session). */
+#define M3_BENCH_WARMUP_MS 200.0
+
 typedef struct m3_bench_layer_opts {
     const char *model_dir;
     int layer;                 /* -1: the first sparse MoE layer (else the last) */
@@ -23,6 +29,7 @@ typedef struct m3_bench_layer_opts {
     int n_contexts;
     const char *path;          /* "stock" or "mono" */
     int iters;                 /* timed replays per point */
+    double warmup_ms;          /* replays before them: >= 3, for >= this long */
     int gpu;
     int tp;                    /* > 1: a TP engine, GPUs gpu .. gpu + tp - 1 */
 } m3_bench_layer_opts;
@@ -32,6 +39,8 @@ typedef struct m3_bench_point {
     int64_t context;
     const char *path;
     double median_us, min_us;
+    double first_third_us, last_third_us; /* medians of the replays' first and last
+                                           * thirds in order (NAN under 3 replays) */
     double bytes, floor_us;
     double read_us;            /* one read-only kernel over `bytes` (cuda_bench.h) */
     double weight_bytes, cache_bytes;

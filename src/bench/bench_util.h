@@ -1,10 +1,14 @@
 /*
  * What the benchmarks share (bench_layer.c, bench_draft.c): the bytes a
- * weight occupies (a floor counts them) and the order of timings for a
- * median.
+ * weight occupies (a floor counts them) and a series of timings' summary
+ * (median, minimum, drift).
  */
 #ifndef M3_BENCH_BENCH_UTIL_H
 #define M3_BENCH_BENCH_UTIL_H
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "core/tensor.h"
 
@@ -22,6 +26,35 @@ static inline double bench_linear_bytes(const m3_linear *l) {
 static inline int bench_cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
+}
+
+/* A series of timings in the order they were taken: its median and
+ * minimum, and the medians of its first and last thirds (NAN under 3
+ * values), so that a series still warming up shows first_third above
+ * last_third. */
+typedef struct bench_series {
+    double median, min, first_third, last_third;
+} bench_series;
+
+/* v: n >= 1 timings in order (not changed); tmp: n doubles of scratch. */
+static inline bench_series bench_series_of(const double *v, int n, double *tmp) {
+    bench_series s = {NAN, NAN, NAN, NAN};
+    const int third = n / 3;
+    if (third >= 1) {
+        memcpy(tmp, v, (size_t)third * sizeof *tmp);
+        qsort(tmp, (size_t)third, sizeof *tmp, bench_cmp_double);
+        s.first_third = tmp[third / 2];
+        memcpy(tmp, v + n - third, (size_t)third * sizeof *tmp);
+        qsort(tmp, (size_t)third, sizeof *tmp, bench_cmp_double);
+        s.last_third = tmp[third / 2];
+    }
+    if (n >= 1) {
+        memcpy(tmp, v, (size_t)n * sizeof *tmp);
+        qsort(tmp, (size_t)n, sizeof *tmp, bench_cmp_double);
+        s.median = tmp[n / 2];
+        s.min = tmp[0];
+    }
+    return s;
 }
 
 #endif

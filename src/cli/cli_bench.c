@@ -4,6 +4,7 @@
  * time, bytes, floor and their ratio per point.
  */
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +22,7 @@ static void bench_usage(FILE *f) {
             "usage: m3 bench layer (--model DIR | --preset NAME [--layers N])\n"
             "                      [--rows 1,2,4,8,16] [--context 4096,32768,131072]\n"
             "                      [--path stock,mono,stock-cp] [--layer L] [--iters N] [--gpu N]\n"
-            "                      [--tp N] [--json]\n"
+            "                      [--warmup-ms MS] [--tp N] [--json]\n"
             "\n"
             "  --path LIST     the paths to time, comma-separated (default stock): stock,\n"
             "                  mono, stock-cp (the stock path with indexer context\n"
@@ -32,13 +33,19 @@ static void bench_usage(FILE *f) {
             "                  the model cache\n"
             "  --layer L       the layer to time (default: the first sparse MoE layer)\n"
             "  --iters N       timed graph replays per point (default 50)\n"
+            "  --warmup-ms MS  untimed replays before them: at least 3, for at least MS\n"
+            "                  milliseconds (default %.0f; a point right after a heavier\n"
+            "                  one runs slower for a while)\n"
             "  --tp N          tensor parallel over GPUs --gpu .. --gpu + N - 1: the time is\n"
             "                  the slowest rank's, the floor one rank's bytes over one GPU's\n"
             "                  bandwidth; 'all-reduce us' times the stock path's all-reduces\n"
             "                  alone\n"
             "  --json          print JSON instead of the table\n"
             "  Each point also times one kernel that only reads the step's bytes\n"
-            "  ('read-only us', JSON read_us): what streaming them alone costs.\n"
+            "  ('read-only us', JSON read_us): what streaming them alone costs, and\n"
+            "  the medians of its replays' first and last thirds ('thirds us', JSON\n"
+            "  first_third_us, last_third_us): a point still warming up shows the first\n"
+            "  above the last.\n"
             "\n"
             "       m3 bench linear [--rows 1,2,4,8,16] [--shapes NxK,...] [--iters N]\n"
             "  the decode linear against cuBLAS (default: one m3-tp4-rank layer's shapes,\n"
@@ -53,7 +60,8 @@ static void bench_usage(FILE *f) {
             "       m3 bench draft --model DIR --draft DIR [--requests 1,2,4,8]\n"
             "                      [--context 1024,32768] [--iters N] [--gpu N] [--json]\n"
             "  one DSpark draft step, whole and in parts (draft layers with the final norm,\n"
-            "  lm_head, Markov head), each against its floor\n");
+            "  lm_head, Markov head), each against its floor\n",
+            M3_BENCH_WARMUP_MS);
 }
 
 /* "1,2,4" -> values; false with a message on a bad list. */
@@ -82,15 +90,15 @@ static bool parse_list(const char *flag, const char *text, int64_t lo, int64_t h
 static void print_table(const m3_bench_layer_result *r) {
     printf("read bandwidth: %.0f GB/s\n", r->read_gb_per_s);
     printf("| path | tp | layer | rows | context | time us | min us | MB read | floor us | "
-           "time/floor | read-only us | all-reduce us | experts | sets |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+           "time/floor | read-only us | all-reduce us | experts | sets | thirds us |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < r->n_points; i++) {
         const m3_bench_point *p = &r->points[i];
         printf("| %s | %d | %d | %d | %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f "
-               "| %d |\n",
+               "| %d | %.1f / %.1f |\n",
                p->path, p->tp, p->layer, p->rows, (long long)p->context, p->median_us, p->min_us,
                p->bytes / 1e6, p->floor_us, p->median_us / p->floor_us, p->read_us, p->allreduce_us,
-               p->unique_experts, p->sets);
+               p->unique_experts, p->sets, p->first_third_us, p->last_third_us);
     }
 }
 
@@ -106,6 +114,10 @@ static void print_json(const m3_bench_layer_result *r) {
         cJSON_AddNumberToObject(j, "context", (double)p->context);
         cJSON_AddNumberToObject(j, "median_us", p->median_us);
         cJSON_AddNumberToObject(j, "min_us", p->min_us);
+        if (!isnan(p->first_third_us)) { /* (cJSON writes NaN as null) */
+            cJSON_AddNumberToObject(j, "first_third_us", p->first_third_us);
+            cJSON_AddNumberToObject(j, "last_third_us", p->last_third_us);
+        }
         cJSON_AddNumberToObject(j, "bytes", p->bytes);
         cJSON_AddNumberToObject(j, "weight_bytes", p->weight_bytes);
         cJSON_AddNumberToObject(j, "cache_bytes", p->cache_bytes);
@@ -160,6 +172,9 @@ static int parse_args(int argc, char **argv, m3_bench_layer_opts *o, const char 
         } else if (!strcmp(f, "--gpu")) {
             ok = cli_int(f, val, 0, 64, &v);
             o->gpu = (int)v;
+        } else if (!strcmp(f, "--warmup-ms")) {
+            ok = cli_int(f, val, 0, 600000, &v);
+            o->warmup_ms = (double)v;
         } else if (!strcmp(f, "--tp")) {
             ok = cli_int(f, val, 1, M3_MAX_TP, &v);
             o->tp = (int)v;
@@ -468,7 +483,8 @@ int cmd_bench(int argc, char **argv) {
         bench_usage(stderr);
         return CLI_USAGE;
     }
-    m3_bench_layer_opts o = {.layer = -1, .path = "stock", .iters = 50};
+    m3_bench_layer_opts o = {
+        .layer = -1, .path = "stock", .iters = 50, .warmup_ms = M3_BENCH_WARMUP_MS};
     const int default_rows[] = {1, 2, 4, 8, 16};
     o.n_rows = 5;
     memcpy(o.rows, default_rows, sizeof default_rows);

@@ -260,6 +260,10 @@ def bench_usage():
     expect_fail(["bench", "draft", "--model", H.GOOD, "--draft", H.GOOD, "--context", "0"],
                 ["--context"], rc=2)
     expect_fail(["bench", "draft", "--frobnicate", "1"], ["unknown option"], rc=2)
+    expect_fail(["bench", "layer", "--model", H.GOOD, "--warmup-ms", "-5"],
+                ["--warmup-ms = -5 is out of range"], rc=2)
+    expect_fail(["bench", "layer", "--model", H.GOOD, "--warmup-ms", "soon"],
+                ["--warmup-ms expects an integer"], rc=2)
     expect_fail(["bench", "indexer", "--world", "0"], ["--world"], rc=2)
     expect_fail(["bench", "indexer", "--world", "65"], ["--world"], rc=2)
     expect_fail(["bench", "indexer", "--batch", "x"], ["--batch"], rc=2)
