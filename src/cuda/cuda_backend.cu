@@ -461,6 +461,10 @@ extern "C" m3_status m3_cuda_backend_create(int device, m3_backend **out) {
     be->ops = &cuda_ops;
     be->impl = cu;
     be->exact_rows = linear_mma_rows();
+    /* M3_LINEAR_CUBLAS=0: prefill's linears too on our kernel, in passes
+     * (slower; for compute-sanitizer's initcheck, which reports every read
+     * of a cuBLAS output as uninitialised: gpu-check's initcheck stage) */
+    cu->no_cublas = env_count("M3_LINEAR_CUBLAS", 0, 1) == 0;
     cu->device = device;
     cu->sm_count = prop.multiProcessorCount;
     cu->l2_bytes = (size_t)prop.l2CacheSize;

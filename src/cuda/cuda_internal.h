@@ -51,6 +51,8 @@ typedef struct m3_cuda {
     int device;
     int sm_count;
     size_t l2_bytes;
+    bool no_cublas;           /* M3_LINEAR_CUBLAS=0: the linear op never takes cuBLAS (for
+                               * initcheck, which does not see cuBLAS's stores) */
     int64_t draft_split_from; /* drafter context keys from which its attention splits them
                                * over CTAs (M3_DRAFT_SPLIT_FROM) */
     int64_t draft_split_two_from; /* KV heads x requests x query passes x the table's

@@ -372,11 +372,12 @@ extern "C" m3_status m3_cuda_linear(m3_backend *be, int rows, const uint16_t *x,
      * step gives each row the bits of a 1-row step. */
     /* (a row-parallel weight whose chunks cuBLAS cannot take stays on the
      * GEMV, whose sums are cut alike at every row count) */
-    if (rows > be->exact_rows && w->w.dtype == M3_DT_BF16 && K % 8 == 0 &&
+    if (rows > be->exact_rows && !cu->no_cublas && w->w.dtype == M3_DT_BF16 && K % 8 == 0 &&
         N < INT32_MAX && cublas_k_chunks(w) > 0)
         return m3_cuda_linear_cublas(cu, rows, x, w, out_dtype, out);
-    /* past one launch's rows (MXFP8, odd shapes, or up to 64 rows): a pass
-     * of 16 rows at a time (32 where exact_rows asks for more) */
+    /* past one launch's rows (MXFP8, odd shapes, up to 64 rows, or any
+     * rows under M3_LINEAR_CUBLAS=0): a pass of 16 rows at a time (32 where
+     * exact_rows asks for more) */
     const int pass = be->exact_rows > GEMV_MAX_T ? M3_CUDA_LINEAR_MMA_PASS : GEMV_MAX_T;
     size_t out_size = out_f32 ? 4 : 2;
     for (int r0 = 0; r0 < rows; r0 += pass) {

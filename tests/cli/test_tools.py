@@ -21,7 +21,8 @@
   cmake CUDAFLAGS explicitly, empty when unset, so a reused build folder
   does not keep an earlier run's switches from its cache; its initcheck
   stage runs the CLI with prefill chunks of 16 rows (no cuBLAS) on both
-  decode paths before the two test programs.
+  decode paths before the two test programs, those with
+  M3_LINEAR_CUBLAS=0 (the linear kept off cuBLAS).
 
 - tests/gpu/cuda_configs.py with `--device cpu` (the CPU engine on both
   sides: every check passes, a mono refusal counts as a pass) and its
@@ -311,21 +312,27 @@ def check_gpu_check(work):
     # the initcheck stage: the CLI first, twice, prefill chunks of 16 rows
     logger = os.path.join(repo, "bin2", "compute-sanitizer")
     os.makedirs(os.path.dirname(logger))
-    open(logger, "w").write("#!/bin/sh\necho \"$*\" >>\"$OUT/sanitizer_args.txt\"\n")
+    open(logger, "w").write("#!/bin/sh\necho \"cublas=${M3_LINEAR_CUBLAS-unset} $*\" "
+                            ">>\"$OUT/sanitizer_args.txt\"\n")
     os.chmod(logger, 0o755)
     env = dict(os.environ, OUT=out, GPU_CHECK_STAGES="initcheck", BUILD="B",
                PATH=os.path.dirname(logger) + os.pathsep + os.environ["PATH"])
     res = subprocess.run(["scripts/gpu-check"], cwd=repo, capture_output=True, text=True,
                          timeout=120, env=env)
     runs = open(os.path.join(out, "sanitizer_args.txt")).read().splitlines()
-    want = ["--tool initcheck --error-exitcode 1 --print-limit 50 B/m3 generate --device cuda "
-            "--decode %s --max-rows 16 --prompt-ids %s --max-tokens 8 --ignore-eos"
+    want = ["cublas=unset --tool initcheck --error-exitcode 1 --print-limit 50 B/m3 generate "
+            "--device cuda --decode %s --max-rows 16 --prompt-ids %s --max-tokens 8 --ignore-eos"
             % (d, ",".join(str(i) for i in range(1, 41))) for d in ("stock", "mono")]
-    if res.returncode != 0 or runs[:2] != want or len(runs) != 4:
+    # then the two test programs with the linear kept off cuBLAS
+    tests_ok = len(runs) == 4 and all(
+        r.startswith("cublas=0 --tool initcheck ") and r.endswith(t)
+        for r, t in zip(runs[2:], ("B/test_cuda_ops", "B/test_cuda_model")))
+    if res.returncode != 0 or runs[:2] != want or not tests_ok:
         fail("gpu-check initcheck: want the CLI at 16-row chunks, stock then mono, then the "
-             "two tests; exit %d, got %r" % (res.returncode, runs))
+             "two tests under M3_LINEAR_CUBLAS=0; exit %d, got %r" % (res.returncode, runs))
     print("gpu-check dev_tool: tables, sanitizer findings, strict and report-only stages; "
-          "build: CUDAFLAGS given to cmake; initcheck: the CLI without cuBLAS first")
+          "build: CUDAFLAGS given to cmake; initcheck: the CLI without cuBLAS first, then the "
+          "tests with M3_LINEAR_CUBLAS=0")
 
 
 def check_cuda_configs(m3, work, quick):
