@@ -36,22 +36,23 @@ typedef struct bench_series {
     double median, min, first_third, last_third;
 } bench_series;
 
+/* The median of v[0..n) (n >= 1), through tmp (n doubles, left sorted). */
+static inline double bench_median_via(const double *v, int n, double *tmp) {
+    memcpy(tmp, v, (size_t)n * sizeof *tmp);
+    qsort(tmp, (size_t)n, sizeof *tmp, bench_cmp_double);
+    return tmp[n / 2];
+}
+
 /* v: n >= 1 timings in order (not changed); tmp: n doubles of scratch. */
 static inline bench_series bench_series_of(const double *v, int n, double *tmp) {
     bench_series s = {NAN, NAN, NAN, NAN};
     const int third = n / 3;
     if (third >= 1) {
-        memcpy(tmp, v, (size_t)third * sizeof *tmp);
-        qsort(tmp, (size_t)third, sizeof *tmp, bench_cmp_double);
-        s.first_third = tmp[third / 2];
-        memcpy(tmp, v + n - third, (size_t)third * sizeof *tmp);
-        qsort(tmp, (size_t)third, sizeof *tmp, bench_cmp_double);
-        s.last_third = tmp[third / 2];
+        s.first_third = bench_median_via(v, third, tmp);
+        s.last_third = bench_median_via(v + n - third, third, tmp);
     }
     if (n >= 1) {
-        memcpy(tmp, v, (size_t)n * sizeof *tmp);
-        qsort(tmp, (size_t)n, sizeof *tmp, bench_cmp_double);
-        s.median = tmp[n / 2];
+        s.median = bench_median_via(v, n, tmp);
         s.min = tmp[0];
     }
     return s;
