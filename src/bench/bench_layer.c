@@ -6,7 +6,13 @@
  * captured into a CUDA graph and replayed. Between replays the input rows
  * and the sequences rotate through enough sets that their caches and
  * activations exceed the L2 several times over, so the cache is not what
- * is measured. The median replay time is set against the floor. A point
+ * is measured. The median replay time is set against the floor. With
+ * --span N the graph holds N consecutive layers (each layer's output the
+ * next one's input, as in a decode step) and every figure is a mean per
+ * layer: the time a layer takes among neighbours whose work may overlap
+ * its own (one kernel's tail with the next one's start; work one layer
+ * does for the next, as the next-layer prefetch that docs/PERF.md's
+ * fifty-seventh session measured with it). A point
  * frees all its sequences, and a drained page pool hands out its pages in
  * its first order again (cache.c), so every point gets the same pages
  * whichever points ran before it.
@@ -92,8 +98,8 @@ static int sets_for(const m3_config *c, const m3_layer_weights *w, int rows, int
 typedef struct bench_ctx {
     m3_engine *e;  /* TP 1: the engine; TP > 1: the front */
     int world;
-    int layer;
-    const m3_layer_weights *w; /* rank 0's */
+    int layer, span;           /* layers layer .. layer + span - 1 */
+    const m3_layer_weights *w; /* rank 0's, of `layer` (w + i: layer + i's) */
     m3_seq *seqs; /* [sets * rows] */
     bool mono;    /* the mono path's layer, else the stock path's */
     bool cp;      /* the stock path with indexer context parallelism */
@@ -103,7 +109,7 @@ typedef struct bench_ctx {
     double *us;   /* [world][iters]: each rank's replay times */
     double *ar_us;/* [world][iters]: the stock path's all-reduces alone (TP > 1) */
     float *ar_buf[M3_MAX_TP]; /* each rank's [rows * k, H] fp32 for them */
-    double unique;
+    double unique[M3_MAX_LAYERS]; /* per span layer: distinct experts, mean over sets */
 } bench_ctx;
 
 static m3_engine *rank_engine(const bench_ctx *b, int r) {
@@ -128,11 +134,15 @@ static m3_status prepare_set(bench_ctx *b, m3_engine *e, int rows, int s) {
     return m3_cuda_fill_random_bf16(e->be, e->s.residual, n, 1001 + 2 * (uint64_t)s, 1.0f);
 }
 
-/* The layer on the benchmarked path. */
+/* The span's layers on the benchmarked path. */
 static m3_status run_layer(bench_ctx *b, m3_engine *e) {
-    if (!b->mono)
-        return m3_stock_layer(e, &e->step, b->layer, false);
-    return m3_mono_run_layer(e->mono, &e->step, b->layer, e->s.hidden, e->s.residual);
+    for (int l = b->layer; l < b->layer + b->span; l++) {
+        if (!b->mono)
+            M3_TRY(m3_stock_layer(e, &e->step, l, false));
+        else
+            M3_TRY(m3_mono_run_layer(e->mono, &e->step, l, e->s.hidden, e->s.residual));
+    }
+    return M3_OK;
 }
 
 /* Capture ops (run once eagerly first: it sizes the workspaces). */
@@ -204,16 +214,18 @@ static m3_status time_rank(m3_engine *e, void *arg) {
     void *graph = NULL, *ar_graph = NULL;
     M3_TRY(prepare_set(b, e, rows, 0));
     m3_status st = capture(e, run_layer, b, &graph);
-    double unique = 0;
-    for (int s = 0; !st && b->w->moe && s < sets; s++) {
-        int n = 0;
+    double unique[M3_MAX_LAYERS] = {0};
+    for (int s = 0; !st && s < sets; s++) {
         st = prepare_set(b, e, rows, s);
-        /* the stock MoE op counts the distinct experts; both paths route alike */
-        if (!st)
-            st = m3_stock_layer(e, &e->step, b->layer, false);
-        if (!st)
-            st = m3_cuda_moe_unique_experts(e->be, &n);
-        unique += n;
+        /* the stock MoE op counts the distinct experts; both paths route
+         * alike (a span's layers in order: each routes its input) */
+        for (int l = 0; !st && l < b->span; l++) {
+            int n = 0;
+            st = m3_stock_layer(e, &e->step, b->layer + l, false);
+            if (!st && b->w[l].moe)
+                st = m3_cuda_moe_unique_experts(e->be, &n);
+            unique[l] += n;
+        }
     }
     if (!st)
         st = replay(b, e, graph, sets, b->us + (size_t)r * b->iters);
@@ -226,8 +238,8 @@ static m3_status time_rank(m3_engine *e, void *arg) {
         st = capture(e, allreduces, b, &ar_graph);
     if (!st && b->world > 1)
         st = replay(b, e, ar_graph, 0, b->ar_us + (size_t)r * b->iters);
-    if (!st && r == 0)
-        b->unique = b->w->moe ? unique / sets : 0;
+    for (int l = 0; !st && r == 0 && l < b->span; l++)
+        b->unique[l] = unique[l] / sets;
     if (graph)
         e->be->ops->graph_free(e->be, graph);
     if (ar_graph)
@@ -266,9 +278,14 @@ static m3_status time_point(bench_ctx *b, int rows, int sets, int iters, m3_benc
         bench_series t = summarize(b, b->us);
         p->median_us = t.median, p->min_us = t.min;
         p->first_third_us = t.first_third, p->last_third_us = t.last_third;
-        if (b->world > 1)
+        if (b->world > 1) /* (one layer's all-reduces) */
             p->allreduce_us = summarize(b, b->ar_us).median;
-        p->unique_experts = b->unique;
+        double u = 0;
+        for (int l = 0; l < b->span; l++)
+            u += b->unique[l];
+        p->unique_experts = u / b->span;
+        p->median_us /= b->span, p->min_us /= b->span;
+        p->first_third_us /= b->span, p->last_third_us /= b->span;
     }
     free(b->us), free(b->ar_us);
     b->us = b->ar_us = NULL;
@@ -296,6 +313,7 @@ static m3_status run_point(bench_ctx *b, int rows, int64_t context, int iters, d
     int sets = sets_for(c, b->w, rows, context);
     memset(p, 0, sizeof *p);
     p->layer = b->layer;
+    p->span = b->span;
     p->rows = rows;
     p->context = context;
     p->path = b->mono ? "mono" : b->cp ? "stock-cp" : "stock";
@@ -316,8 +334,13 @@ static m3_status run_point(bench_ctx *b, int rows, int64_t context, int iters, d
         m3_seq_free(e, b->seqs[i]);
     if (st)
         return m3_fail_context(st, "rows %d, context %lld", rows, (long long)context);
-    p->weight_bytes = fixed_weight_bytes(b->w) + p->unique_experts * expert_bytes(b->w);
-    p->cache_bytes = rows * cache_bytes_per_row(c, b->w, context, b->cp ? 1.0 / b->world : 1.0);
+    p->weight_bytes = p->cache_bytes = 0; /* means per layer */
+    for (int l = 0; l < b->span; l++) {
+        const m3_layer_weights *w = &b->w[l];
+        p->weight_bytes += (fixed_weight_bytes(w) + b->unique[l] * expert_bytes(w)) / b->span;
+        p->cache_bytes +=
+            rows * cache_bytes_per_row(c, w, context, b->cp ? 1.0 / b->world : 1.0) / b->span;
+    }
     p->bytes = p->weight_bytes + p->cache_bytes;
     p->floor_us = p->bytes / (gbps * 1e9) * 1e6;
     /* what streaming the same bytes costs one kernel, ramp and tail in */
@@ -360,9 +383,14 @@ static m3_status check_opts(const m3_bench_layer_opts *o, const m3_config *c, in
     if (layer < 0 || layer >= c->num_layers)
         return m3_fail(M3_ERR_INVALID_ARG, "layer %d: the model has %d layers", layer,
                        c->num_layers);
-    if (!strcmp(o->path, "stock-cp") && !c->layer_sparse[layer])
-        return m3_fail(M3_ERR_INVALID_ARG, "bench path stock-cp: layer %d is not a sparse layer",
-                       layer);
+    const int span = o->span > 1 ? o->span : 1;
+    if (o->span < 0 || span > c->num_layers - layer)
+        return m3_fail(M3_ERR_INVALID_ARG, "span %d from layer %d: the model has %d layers",
+                       o->span, layer, c->num_layers);
+    for (int l = layer; l < layer + span; l++)
+        if (!strcmp(o->path, "stock-cp") && !c->layer_sparse[l])
+            return m3_fail(M3_ERR_INVALID_ARG,
+                           "bench path stock-cp: layer %d is not a sparse layer", l);
     if (o->iters < 1 || o->n_rows < 1 || o->n_contexts < 1)
         return m3_fail(M3_ERR_INVALID_ARG, "bench needs iterations, rows and contexts");
     if (!(o->warmup_ms >= 0 && o->warmup_ms <= 600000))
@@ -402,7 +430,7 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
     M3_TRY(m3_model_load(o->model_dir, &mo, &model));
     const m3_config *c = m3_model_config(model);
     bench_ctx b = {.world = o->tp > 1 ? o->tp : 1, .layer = pick_layer(c, o->layer),
-                   .warmup_ms = o->warmup_ms};
+                   .span = o->span > 1 ? o->span : 1, .warmup_ms = o->warmup_ms};
     m3_status st = check_opts(o, c, b.layer);
     b.w = st ? NULL : &model->w.layers[b.layer];
     m3_engine_opts eo = m3_engine_defaults();
@@ -435,9 +463,12 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
     if (!st)
         st = m3_cuda_read_bandwidth(r0->be, (size_t)4 << 30, 20, &out->read_gb_per_s);
     if (!st)
-        fprintf(stderr, "bench: layer %d (%s, %s), TP %d, read bandwidth %.0f GB/s per GPU\n",
+        fprintf(stderr,
+                "bench: layer %d (%s, %s)%s, TP %d, read bandwidth %.0f GB/s per GPU\n",
                 b.layer, c->layer_sparse[b.layer] ? "sparse" : "dense",
-                c->layer_moe[b.layer] ? "MoE" : "dense MLP", b.world, out->read_gb_per_s);
+                c->layer_moe[b.layer] ? "MoE" : "dense MLP",
+                b.span > 1 ? " and the layers after it (means per layer)" : "", b.world,
+                out->read_gb_per_s);
     for (int i = 0; !st && i < o->n_contexts; i++)
         for (int j = 0; !st && j < o->n_rows; j++) {
             m3_bench_point *p = &out->points[out->n_points];

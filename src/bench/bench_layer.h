@@ -24,6 +24,8 @@
 typedef struct m3_bench_layer_opts {
     const char *model_dir;
     int layer;                 /* -1: the first sparse MoE layer (else the last) */
+    int span;                  /* layers timed together from `layer` (0 or 1: one); a
+                                * point's figures are then means per layer */
     int rows[M3_BENCH_MAX_POINTS], n_rows;
     int64_t contexts[M3_BENCH_MAX_POINTS];
     int n_contexts;
@@ -35,16 +37,16 @@ typedef struct m3_bench_layer_opts {
 } m3_bench_layer_opts;
 
 typedef struct m3_bench_point {
-    int layer, rows;
+    int layer, span, rows;     /* layers layer .. layer + span - 1 */
     int64_t context;
     const char *path;
-    double median_us, min_us;
+    double median_us, min_us;  /* per layer (a span's time / span), as every figure below */
     double first_third_us, last_third_us; /* medians of the replays' first and last
                                            * thirds in order (NAN under 3 replays) */
     double bytes, floor_us;
     double read_us;            /* one read-only kernel over `bytes` (cuda_bench.h) */
     double weight_bytes, cache_bytes;
-    double unique_experts;     /* mean over rotation sets */
+    double unique_experts;     /* mean over rotation sets (and a span's layers) */
     int sets;                  /* input sets rotated through */
     int tp;                    /* ranks (the time: the slowest rank's; bytes: one rank's) */
     double allreduce_us;       /* TP > 1: the stock path's all-reduces alone (median) */

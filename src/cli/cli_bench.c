@@ -22,7 +22,7 @@ static void bench_usage(FILE *f) {
             "usage: m3 bench layer (--model DIR | --preset NAME [--layers N])\n"
             "                      [--rows 1,2,4,8,16] [--context 4096,32768,131072]\n"
             "                      [--path stock,mono,stock-cp] [--layer L] [--iters N] [--gpu N]\n"
-            "                      [--warmup-ms MS] [--tp N] [--json]\n"
+            "                      [--warmup-ms MS] [--span N] [--tp N] [--json]\n"
             "\n"
             "  --path LIST     the paths to time, comma-separated (default stock): stock,\n"
             "                  mono, stock-cp (the stock path with indexer context\n"
@@ -32,6 +32,9 @@ static void bench_usage(FILE *f) {
             "                  all of a smaller preset's), synthesized on first use into\n"
             "                  the model cache\n"
             "  --layer L       the layer to time (default: the first sparse MoE layer)\n"
+            "  --span N        time layers L .. L + N - 1 in one graph (default 1) and\n"
+            "                  report the mean per layer (time, bytes, floor): what a\n"
+            "                  layer costs among its neighbours, whose work may overlap\n"
             "  --iters N       timed graph replays per point (default 50)\n"
             "  --warmup-ms MS  untimed replays before them: at least 3, for at least MS\n"
             "                  milliseconds (default %.0f; a point right after a heavier\n"
@@ -94,9 +97,14 @@ static void print_table(const m3_bench_layer_result *r) {
     printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < r->n_points; i++) {
         const m3_bench_point *p = &r->points[i];
-        printf("| %s | %d | %d | %d | %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f "
+        char layer[32]; /* a span: its layers (the figures are means per layer) */
+        if (p->span > 1)
+            snprintf(layer, sizeof layer, "%d-%d", p->layer, p->layer + p->span - 1);
+        else
+            snprintf(layer, sizeof layer, "%d", p->layer);
+        printf("| %s | %d | %s | %d | %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f "
                "| %d | %.1f / %.1f |\n",
-               p->path, p->tp, p->layer, p->rows, (long long)p->context, p->median_us, p->min_us,
+               p->path, p->tp, layer, p->rows, (long long)p->context, p->median_us, p->min_us,
                p->bytes / 1e6, p->floor_us, p->median_us / p->floor_us, p->read_us, p->allreduce_us,
                p->unique_experts, p->sets, p->first_third_us, p->last_third_us);
     }
@@ -110,6 +118,7 @@ static void print_json(const m3_bench_layer_result *r) {
         cJSON *j = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "path", p->path);
         cJSON_AddNumberToObject(j, "layer", p->layer);
+        cJSON_AddNumberToObject(j, "span", p->span);
         cJSON_AddNumberToObject(j, "rows", p->rows);
         cJSON_AddNumberToObject(j, "context", (double)p->context);
         cJSON_AddNumberToObject(j, "median_us", p->median_us);
@@ -166,6 +175,9 @@ static int parse_args(int argc, char **argv, m3_bench_layer_opts *o, const char 
         } else if (!strcmp(f, "--layer")) {
             ok = cli_int(f, val, 0, M3_MAX_LAYERS - 1, &v);
             o->layer = (int)v;
+        } else if (!strcmp(f, "--span")) {
+            ok = cli_int(f, val, 1, M3_MAX_LAYERS, &v);
+            o->span = (int)v;
         } else if (!strcmp(f, "--iters")) {
             ok = cli_int(f, val, 1, 100000, &v);
             o->iters = (int)v;
@@ -484,7 +496,7 @@ int cmd_bench(int argc, char **argv) {
         return CLI_USAGE;
     }
     m3_bench_layer_opts o = {
-        .layer = -1, .path = "stock", .iters = 50, .warmup_ms = M3_BENCH_WARMUP_MS};
+        .layer = -1, .span = 1, .path = "stock", .iters = 50, .warmup_ms = M3_BENCH_WARMUP_MS};
     const int default_rows[] = {1, 2, 4, 8, 16};
     o.n_rows = 5;
     memcpy(o.rows, default_rows, sizeof default_rows);

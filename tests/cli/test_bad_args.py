@@ -264,6 +264,11 @@ def bench_usage():
                 ["--warmup-ms = -5 is out of range"], rc=2)
     expect_fail(["bench", "layer", "--model", H.GOOD, "--warmup-ms", "soon"],
                 ["--warmup-ms expects an integer"], rc=2)
+    expect_fail(["bench", "layer", "--model", H.GOOD, "--span", "0"],
+                ["--span = 0 is out of range"], rc=2)
+    # checked against the model before any device is touched
+    expect_fail(["bench", "layer", "--model", H.GOOD, "--layer", "0", "--span", "200"],
+                ["span 200 from layer 0", "layers"], rc=1)
     expect_fail(["bench", "indexer", "--world", "0"], ["--world"], rc=2)
     expect_fail(["bench", "indexer", "--world", "65"], ["--world"], rc=2)
     expect_fail(["bench", "indexer", "--batch", "x"], ["--batch"], rc=2)
