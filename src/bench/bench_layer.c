@@ -215,7 +215,10 @@ static m3_status time_rank(m3_engine *e, void *arg) {
     M3_TRY(prepare_set(b, e, rows, 0));
     m3_status st = capture(e, run_layer, b, &graph);
     double unique[M3_MAX_LAYERS] = {0};
-    for (int s = 0; !st && s < sets; s++) {
+    bool moe = false; /* (no MoE layer in the span: no experts to count) */
+    for (int l = 0; l < b->span; l++)
+        moe = moe || b->w[l].moe;
+    for (int s = 0; !st && moe && s < sets; s++) {
         st = prepare_set(b, e, rows, s);
         /* the stock MoE op counts the distinct experts; both paths route
          * alike (a span's layers in order: each routes its input) */
