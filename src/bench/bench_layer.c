@@ -379,19 +379,20 @@ static void capacity(const m3_bench_layer_opts *o, const m3_config *c,
         }
 }
 
-static m3_status check_opts(const m3_bench_layer_opts *o, const m3_config *c, int layer) {
+/* span: o->span as the bench runs it (0 and 1: one layer) */
+static m3_status check_opts(const m3_bench_layer_opts *o, const m3_config *c, int layer,
+                            int span) {
     if (strcmp(o->path, "stock") && strcmp(o->path, "mono") && strcmp(o->path, "stock-cp"))
         return m3_fail(M3_ERR_UNSUPPORTED, "bench path '%s': expected stock, mono or stock-cp",
                        o->path);
     if (layer < 0 || layer >= c->num_layers)
         return m3_fail(M3_ERR_INVALID_ARG, "layer %d: the model has %d layers", layer,
                        c->num_layers);
-    const int span = o->span > 1 ? o->span : 1;
     if (o->span < 0 || span > c->num_layers - layer)
         return m3_fail(M3_ERR_INVALID_ARG, "span %d from layer %d: the model has %d layers",
                        o->span, layer, c->num_layers);
-    for (int l = layer; l < layer + span; l++)
-        if (!strcmp(o->path, "stock-cp") && !c->layer_sparse[l])
+    for (int l = layer; !strcmp(o->path, "stock-cp") && l < layer + span; l++)
+        if (!c->layer_sparse[l])
             return m3_fail(M3_ERR_INVALID_ARG,
                            "bench path stock-cp: layer %d is not a sparse layer", l);
     if (o->iters < 1 || o->n_rows < 1 || o->n_contexts < 1)
@@ -434,7 +435,7 @@ m3_status m3_bench_layer(const m3_bench_layer_opts *o, m3_bench_layer_result *ou
     const m3_config *c = m3_model_config(model);
     bench_ctx b = {.world = o->tp > 1 ? o->tp : 1, .layer = pick_layer(c, o->layer),
                    .span = o->span > 1 ? o->span : 1, .warmup_ms = o->warmup_ms};
-    m3_status st = check_opts(o, c, b.layer);
+    m3_status st = check_opts(o, c, b.layer, b.span);
     b.w = st ? NULL : &model->w.layers[b.layer];
     m3_engine_opts eo = m3_engine_defaults();
     eo.device = M3_DEVICE_CUDA;
