@@ -475,19 +475,9 @@ __device__ void shdn_item(const MonoArgs &a, Ctl &ctl, unsigned char *dsm, int i
 __host__ __device__ constexpr int enr_of(int NR) { return NR <= 1 ? 1 : (NR <= 2 ? 2 : 4); }
 
 /* The kernels whose routed gate/up items may walk (gu_walk): bf16,
- * world 1, up to 8 rows (egu_sub_of, kWalkGroups), from
- * M3_MONO_EGU_WALK_FROM_NR rows. That compile-time switch (CUDAFLAGS
- * -DM3_MONO_EGU_WALK_FROM_NR=2) takes the walk's code out of the one-row
- * kernel, where a.egu_sub is 1 by default (the walk was +2-4% there,
- * twenty-second session), so it never runs: whether code that does not run
- * costs the one-row kernel time, as the switches of the fifty-seventh and
- * fifty-eighth sessions cost 1.3-3.8% while off (docs/PERF.md). */
-#ifndef M3_MONO_EGU_WALK_FROM_NR
-#define M3_MONO_EGU_WALK_FROM_NR 1
-#endif
+ * world 1, up to 8 rows (egu_sub_of, kWalkGroups). */
 template <int NR, int V>
-constexpr bool kWalkKernel =
-    NR >= M3_MONO_EGU_WALK_FROM_NR && NR <= 8 && !(V & (V_F8 | V_TP));
+constexpr bool kWalkKernel = NR <= 8 && !(V & (V_F8 | V_TP));
 
 /* 4-neuron tiles per routed gate/up item in the NR-row kernel: a.egu_sub
  * (the host sets 1 where gu_walk does not apply: fp8 weights, or whole
