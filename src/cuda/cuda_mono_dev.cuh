@@ -74,12 +74,23 @@ __shared__ unsigned *s_resv_q; /* the queue's counter */
 __shared__ int s_resv_pending;
 __shared__ unsigned s_resv_nxt; /* 0 unless a reservation was taken */
 
+/* Thread 0: a pending reservation's atomic issued (true; its result in
+ * *q), and its result stored once it is needed (resv_land). */
+__device__ __forceinline__ bool resv_issue(unsigned *q) {
+    if (!s_resv_pending)
+        return false;
+    *q = atomicAdd(s_resv_q, 1u);
+    return true;
+}
+__device__ __forceinline__ void resv_land(unsigned q) {
+    s_resv_pending = 0;
+    s_resv_nxt = q;
+}
 /* Any thread may call it; thread 0 takes a pending reservation. */
 __device__ __forceinline__ void resv_take() {
-    if (threadIdx.x == 0 && s_resv_pending) {
-        s_resv_pending = 0;
-        s_resv_nxt = atomicAdd(s_resv_q, 1u);
-    }
+    unsigned q;
+    if (threadIdx.x == 0 && resv_issue(&q))
+        resv_land(q);
 }
 __device__ __forceinline__ unsigned resv_ask(unsigned *q) {
     s_resv_q = q;
@@ -155,15 +166,11 @@ __device__ __forceinline__ void wait_count(const unsigned *c, unsigned target) {
     if (threadIdx.x == 0) {
 #if M3_MONO_RESV_TAKE
         /* a pending reservation's round trip runs beside the wait */
-        const bool take = s_resv_pending != 0;
         unsigned q = 0;
-        if (take)
-            q = atomicAdd(s_resv_q, 1u);
+        const bool take = resv_issue(&q);
         spin_until(c, target);
-        if (take) {
-            s_resv_pending = 0;
-            s_resv_nxt = q;
-        }
+        if (take)
+            resv_land(q);
 #else
         spin_until(c, target);
 #endif
