@@ -35,9 +35,10 @@ build: deps
 	cmake --build build -j $(JOBS)
 
 # The sanitizer build leaves the CUDA backend out: nvcc's objects are not
-# instrumented, every GPU test skips without a GPU, and the release build
-# already compiles the kernels and checks their machine code (sass_check),
-# so here they would only cost CI minutes.
+# instrumented, and the release build compiles the kernels, checks their
+# machine code (sass_check) and, on a machine with a GPU, runs the GPU
+# tests (scripts/gpu-check runs them under compute-sanitizer), so here
+# they would only cost CI minutes.
 build-asan: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DM3_SANITIZE=ON -DM3_CUDA=OFF \
 	  $(CMAKE_FLAGS) >/dev/null
