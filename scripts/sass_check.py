@@ -23,8 +23,9 @@ result stored to local memory within a few instructions (`ATOMG.E.ADD PT,
 R5, ...` then `STL [R1+0x8], R5`): a register spill whose store waits out
 the atomic's round trip. The item queue's reservation is spilled so in
 every kernel short of registers, before the item's first load
-(docs/PERF.md, fifty-ninth session; -DM3_MONO_RESV_TAKE=1 keeps it out of
-registers). A note, not a failure, until that form is the default.
+(docs/PERF.md, fifty-ninth and sixtieth sessions; branch `rt2` keeps it
+out of registers where it is spilled). A note, not a failure, until that
+form is the default.
 
 Tools: $CUOBJDUMP / $NVDISASM, else PATH, else /usr/local/cuda/bin, else
 the PyPI wheels `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` (which

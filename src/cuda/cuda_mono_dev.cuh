@@ -53,61 +53,6 @@ __device__ __noinline__ void fault_set(int *f, unsigned *queue, int code, int la
  * the time the current item's last wait ended (the item trace). */
 __shared__ int s_spin_ns, s_poll_acquire;
 __shared__ unsigned long long s_t_ready;
-
-/* The next item's reservation, thread 0: resv_ask at the item's start,
- * resv_got after it. By default the atomic is issued at the start and its
- * result held in a register across the item, in flight meanwhile. But in
- * every kernel short of registers (all pre kernels, the 2-8-row bf16 post
- * kernels: cuobjdump, fifty-ninth session) ptxas spills that register
- * right after the atomic, and the spill's store waits out the atomic's
- * round trip before warp 0 asks for the item's first data. With
- * -DM3_MONO_RESV_TAKE=1 (compile time, CUDAFLAGS; prepared in the
- * fifty-ninth session, not yet run: docs/PERF.md) the loop leaves the
- * reservation pending and the item takes it where its first loads are in
- * flight (resv_take: the GEMVs, the walks, norm_row, wait_count), or the
- * loop takes it after the item; no register holds it. */
-#ifndef M3_MONO_RESV_TAKE
-#define M3_MONO_RESV_TAKE 0
-#endif
-#if M3_MONO_RESV_TAKE
-__shared__ unsigned *s_resv_q; /* the queue's counter */
-__shared__ int s_resv_pending;
-__shared__ unsigned s_resv_nxt; /* 0 unless a reservation was taken */
-
-/* Thread 0: a pending reservation's atomic issued (true; its result in
- * *q), and its result stored once it is needed (resv_land). */
-__device__ __forceinline__ bool resv_issue(unsigned *q) {
-    if (!s_resv_pending)
-        return false;
-    *q = atomicAdd(s_resv_q, 1u);
-    return true;
-}
-__device__ __forceinline__ void resv_land(unsigned q) {
-    s_resv_pending = 0;
-    s_resv_nxt = q;
-}
-/* Any thread may call it; thread 0 takes a pending reservation. */
-__device__ __forceinline__ void resv_take() {
-    unsigned q;
-    if (threadIdx.x == 0 && resv_issue(&q))
-        resv_land(q);
-}
-__device__ __forceinline__ unsigned resv_ask(unsigned *q) {
-    s_resv_q = q;
-    s_resv_pending = 1;
-    return 0u;
-}
-__device__ __forceinline__ unsigned resv_got(unsigned) {
-    resv_take();
-    const unsigned r = s_resv_nxt;
-    s_resv_nxt = 0u;
-    return r;
-}
-#else
-__device__ __forceinline__ void resv_take() {}
-__device__ __forceinline__ unsigned resv_ask(unsigned *q) { return atomicAdd(q, 1u); }
-__device__ __forceinline__ unsigned resv_got(unsigned nxt) { return nxt; }
-#endif
 #ifdef M3_MONO_MARKS
 __shared__ unsigned long long s_marks[kMarks];
 __shared__ int s_nmark;
@@ -135,10 +80,6 @@ __device__ __forceinline__ void knobs_init(const MonoArgs &a) {
     if (threadIdx.x == 0) {
         s_spin_ns = a.spin_ns;
         s_poll_acquire = a.poll_acquire;
-#if M3_MONO_RESV_TAKE
-        s_resv_pending = 0;
-        s_resv_nxt = 0u;
-#endif
     }
     __syncthreads();
 }
@@ -164,16 +105,7 @@ __device__ __forceinline__ void spin_until(const unsigned *c, unsigned target) {
  * wrote before their release (reads of such data use ld.cg, never L1). */
 __device__ __forceinline__ void wait_count(const unsigned *c, unsigned target) {
     if (threadIdx.x == 0) {
-#if M3_MONO_RESV_TAKE
-        /* a pending reservation's round trip runs beside the wait */
-        unsigned q = 0;
-        const bool take = resv_issue(&q);
         spin_until(c, target);
-        if (take)
-            resv_land(q);
-#else
-        spin_until(c, target);
-#endif
         s_t_ready = gtimer();
     }
     __syncthreads();
@@ -499,8 +431,6 @@ __device__ __forceinline__ void gemv_kloop(float (&acc)[kRW][NR], const WRow &W,
         chunk_load<FP8>(b, W, n0, N, kc, kn, lane); /* zeros past N: nothing read */
         if (wait_c && kc == k0)
             wait_count(wait_c, wait_n); /* the first chunk's weights in flight meanwhile */
-        else if (kc == k0)
-            resv_take();
         __syncthreads(); /* the previous chunk (or item) is consumed */
         stage_x<NR>(xs, rowp, rows, kc, kn);
         __syncthreads();
@@ -603,8 +533,6 @@ __device__ void gemv_ring(float (&acc)[kRW][NR], const WRow &W, int64_t n0, int6
         ring_issue(mine + j * kWalkSlotU4, W, n0, N, j * kKC, min(kKC, K - j * kKC), lane);
     if (wait_c)
         wait_count(wait_c, wait_n);
-    else
-        resv_take();
     __syncthreads(); /* rowp published */
     /* this thread's piece (8 columns) of each row of a chunk */
     const int col = threadIdx.x * 8;
@@ -692,8 +620,6 @@ __device__ void gemv_rows_f32(float (&acc)[kRW][NR], const float *w, int64_t n0,
                                : make_float4(0, 0, 0, 0);
             }
         }
-        if (kc == k0)
-            resv_take();
         __syncthreads();
         stage_x<NR>(xs, rowp, rows, kc, kn);
         __syncthreads();
@@ -841,7 +767,6 @@ __device__ void norm_row(const MonoArgs &a, Ctl &ctl, uint16_t *res, bool has_ad
             cp_async16(sa + v, av + v, true);
     }
     cp_async_commit();
-    resv_take();
     cp_async_wait<0>();
     mark(); /* norm: thread 0's copies landed */
     /* each thread reads back only what it copied itself until the sum's

@@ -288,7 +288,6 @@ __device__ void down_walk(const WRow &W, int64_t N, int K, const uint16_t *xs, u
     };
     for (int j = 0; j < SLOTS - 1 && j < ntile; j++)
         issue(j);
-    resv_take();
 #pragma unroll 1
     for (int j = 0; j < ntile; j++) {
         /* its slot held tile j - 1, read into registers in the last pass */
@@ -526,7 +525,6 @@ __device__ void gu_walk(const WRow &W, int64_t N, int K, const uint16_t *const *
     };
     for (int j = 0; j < slots - 1 && j < total; j++)
         issue(j);
-    resv_take();
     __syncthreads(); /* rowp published, the last group's xs consumed */
     for (int i = threadIdx.x; i < NR * nch * (kKC / 8); i += kThreads) {
         const int c = i / (NR * (kKC / 8)), t = i / (kKC / 8) % NR, col = i % (kKC / 8) * 8;

@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             break;
         unsigned nxt = 0;
         if (threadIdx.x == 0)
-            nxt = resv_ask(&a.ctr[C_QPRE]); /* in flight during the item */
+            nxt = atomicAdd(&a.ctr[C_QPRE], 1u); /* in flight during the item */
         unsigned long long t0 = a.trace ? gtimer() : 0;
         int item = cur, kind;
         if (cur < a.T)
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             kind = 2, idx_item_of<NR>(a, ctl, dsm, cur - n_proj, faulted);
         trace_item(a, 0, kind, item, t0);
         if (threadIdx.x == 0)
-            ctl.cur = reserved(ctl, resv_got(nxt));
+            ctl.cur = reserved(ctl, nxt);
     }
 }
 
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         if (threadIdx.x == 0) {
             own = own_item(a, ctl.step + 1, base_n2);
             if (own == kQueue)
-                nxt = resv_ask(&a.ctr[C_QPOST]);
+                nxt = atomicAdd(&a.ctr[C_QPOST], 1u);
         }
         bool plan = false;
         switch (kind) {
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         trace_item(a, 1, dry ? K_DRY : kind, item, t0);
         if (threadIdx.x == 0) {
             ctl.step++;
-            const int q = reserved(ctl, resv_got(nxt)); /* (0 for an own item) */
+            const int q = reserved(ctl, nxt); /* (nxt is 0 for an own item) */
             ctl.cur = own != kQueue ? own : q_item(a, q, base_n2);
         }
     }
